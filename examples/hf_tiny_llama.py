@@ -1,0 +1,131 @@
+"""One yeto island: a small Llama trained with the HF Trainer and the YetoDiLoCo callback.
+
+Nothing is downloaded. The model is built from a config; tokens are bytes (vocabulary 256) of
+real English text that ships with Python (`pydoc_data.topics`, the help texts of the language
+reference). Each learner trains on its own shard; every learner evaluates on the same held-out
+split. At the end the final model (the syncer's final cut, when it arrived) is saved with
+`save_pretrained`.
+
+    YETO_DILOCO_SYNCER=127.0.0.1:7070 YETO_DILOCO_KEY_FILE=key YETO_DILOCO_LEARNER_ID=0 \\
+        python examples/hf_tiny_llama.py --output-dir out/learner0 --max-steps 300
+
+Progress goes to stdout as JSON lines (`{"event": "train", ...}`), so a driver can follow it.
+`--no-sync` trains the same island alone (the synchronous-free local baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+
+def english_bytes() -> bytes:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+class ByteBlocks(Dataset):
+    """Non-overlapping blocks of `seq_len` byte tokens; labels are the inputs (the model shifts)."""
+
+    def __init__(self, data: bytes, seq_len: int) -> None:
+        usable = len(data) // seq_len * seq_len
+        self.blocks = torch.frombuffer(bytearray(data[:usable]), dtype=torch.uint8).long().view(-1, seq_len)
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.blocks[i]
+        return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def splits(seq_len: int, shard: int, num_shards: int, eval_fraction: float = 0.05) -> tuple[ByteBlocks, ByteBlocks]:
+    data = english_bytes()
+    cut = int(len(data) * (1 - eval_fraction))
+    train, held_out = data[:cut], data[cut:]
+    size = len(train) // num_shards
+    return ByteBlocks(train[shard * size : (shard + 1) * size], seq_len), ByteBlocks(held_out, seq_len)
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=args.seq_len, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(config)
+
+
+def emit(event: str, **fields: object) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output-dir", type=Path, required=True)
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=2, help="how many learners share the training text")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (several processes share the CPU)")
+    p.add_argument("--no-sync", action="store_true", help="train alone, without a syncer")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    learner_id = int(os.environ.get("YETO_DILOCO_LEARNER_ID", "0"))
+    train_set, eval_set = splits(args.seq_len, learner_id % args.num_shards, args.num_shards)
+    model = build_model(args)
+
+    class JsonProgress(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
+            if logs and "loss" in logs:
+                emit("train", learner=learner_id, step=state.global_step, loss=round(float(logs["loss"]), 4),
+                     pushes=logs.get("yeto_pushes"), installs=logs.get("yeto_installs"))
+
+    callbacks: list[TrainerCallback] = [JsonProgress()]
+    yeto = None
+    if not args.no_sync:
+        from yeto_plugins.hf import YetoDiLoCo
+
+        yeto = YetoDiLoCo()
+        callbacks.insert(0, yeto)
+    targs = TrainingArguments(
+        output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=32, learning_rate=args.lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=min(20, args.max_steps // 10), weight_decay=0.0, logging_steps=10, save_strategy="no",
+        report_to=[], use_cpu=True, dataloader_num_workers=0, seed=args.seed, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set, callbacks=callbacks)
+    first = trainer.evaluate()["eval_loss"]
+    emit("eval", learner=learner_id, phase="initial", loss=round(first, 4))
+    result = trainer.train()
+    final = trainer.evaluate()["eval_loss"]
+    final_installed = bool(yeto and yeto.final_installed)
+    emit("eval", learner=learner_id, phase="final", loss=round(final, 4), final_cut=final_installed,
+         steps=result.global_step)
+    model.save_pretrained(args.output_dir)
+    emit("saved", learner=learner_id, dir=str(args.output_dir), final_cut=final_installed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

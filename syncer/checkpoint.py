@@ -1,0 +1,259 @@
+"""The syncer's checkpoint: one safetensors file, written atomically, read without pickle (SPEC §3.8).
+
+Tensors are stored per model tensor in its model shape (``param/<name>``, ``momentum/<name>``),
+so the file doubles as an export source; everything else (layout specs, fingerprint, merge
+backend, versions, token ledger) is one JSON document under the header metadata key ``yeto``.
+
+``save_checkpoint`` streams the safetensors format itself (8-byte little-endian header length,
+JSON header padded to 8 bytes, raw little-endian data) into ``<path>.tmp``, fsyncs it, renames it
+over ``path`` and fsyncs the directory: peak memory stays at one tensor and a crash leaves the
+previous checkpoint whole. ``load_checkpoint`` reads with the safetensors library and validates
+everything before it returns, so a bad file never reaches the coordinator's state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from yeto_core.layout import Layout, TensorSpec, build_layout
+
+FORMAT_VERSION = 1
+_META_KEY = "yeto"
+_CHUNK = 16 << 20  # bytes per write; bounds the progress bar's granularity, not memory
+
+
+@dataclass
+class SyncerState:
+    """Everything the coordinator needs to resume: global params, outer momentum, bookkeeping."""
+
+    specs: list[TensorSpec]
+    num_fragments: int
+    pattern: str
+    fingerprint: bytes
+    backend: str
+    params: list[torch.Tensor]  # one flat float32 buffer per fragment
+    momentum: list[torch.Tensor]
+    versions: list[int]
+    next_round: int
+    ledger: dict[str, int]
+    finalized: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def _tensor_names(layout: Layout) -> Iterator[tuple[str, int, int, int, tuple[int, ...]]]:
+    """(file name, fragment, offset, numel, shape) in file order: all params, then all momentum."""
+    for kind in ("param", "momentum"):
+        for frag in layout.fragments:
+            for slot in frag.slots:
+                yield f"{kind}/{slot.name}", frag.index, slot.offset, slot.numel, slot.shape
+
+
+def _check_state(state: SyncerState, layout: Layout) -> None:
+    if layout.fingerprint != state.fingerprint:
+        raise ValueError("SyncerState.fingerprint does not match the layout built from its specs")
+    for kind, bufs in (("params", state.params), ("momentum", state.momentum)):
+        if len(bufs) != state.num_fragments:
+            raise ValueError(
+                f"SyncerState.{kind} has {len(bufs)} buffers for {state.num_fragments} fragments"
+            )
+        for frag, buf in zip(layout.fragments, bufs, strict=True):
+            if buf.dtype != torch.float32 or buf.dim() != 1 or buf.numel() != frag.numel:
+                raise ValueError(
+                    f"SyncerState.{kind}[{frag.index}] must be flat float32 with {frag.numel} elements, "
+                    f"got {buf.dtype} {tuple(buf.shape)}"
+                )
+    if len(state.versions) != state.num_fragments:
+        raise ValueError(f"SyncerState.versions has {len(state.versions)} entries")
+
+
+def _metadata(state: SyncerState) -> str:
+    doc = {
+        "format": FORMAT_VERSION,
+        "specs": [[s.name, list(s.shape), s.dtype, s.embedding] for s in state.specs],
+        "num_fragments": state.num_fragments,
+        "pattern": state.pattern,
+        "fingerprint": state.fingerprint.hex(),
+        "backend": state.backend,
+        "versions": [int(v) for v in state.versions],
+        "next_round": int(state.next_round),
+        "ledger": {str(k): int(v) for k, v in state.ledger.items()},
+        "finalized": bool(state.finalized),
+        "extra": state.extra,
+    }
+    return json.dumps(doc, sort_keys=True)
+
+
+def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -> int:
+    """Write ``state`` to ``path`` atomically; returns the number of bytes written."""
+    if sys.byteorder != "little":
+        raise RuntimeError("checkpoints are written on little-endian hosts only")
+    path = Path(path)
+    layout = build_layout(state.specs, state.num_fragments, state.pattern)
+    _check_state(state, layout)
+
+    header: dict[str, Any] = {"__metadata__": {_META_KEY: _metadata(state)}}
+    begin = 0
+    for name, _, _, numel, shape in _tensor_names(layout):
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, begin + 4 * numel]}
+        begin += 4 * numel
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    total = 8 + len(head) + begin
+
+    tmp = path.with_name(path.name + ".tmp")
+    bufs = {"param": state.params, "momentum": state.momentum}
+    try:
+        with (
+            open(tmp, "wb") as f,
+            tqdm(
+                total=total, unit="B", unit_scale=True, desc=f"checkpoint {path.name}", disable=not progress
+            ) as bar,
+        ):
+            f.write(struct.pack("<Q", len(head)) + head)
+            bar.update(8 + len(head))
+            for name, frag, offset, numel, _ in _tensor_names(layout):
+                piece = bufs[name.split("/", 1)[0]][frag].detach()[offset : offset + numel]
+                raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
+                for start in range(0, len(raw), _CHUNK):
+                    f.write(raw[start : start + _CHUNK])
+                    bar.update(min(_CHUNK, len(raw) - start))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return total
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a directory: the rename is all we get
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parse(path: Path, doc: Any) -> tuple[list[TensorSpec], Layout, dict[str, Any]]:
+    """Check the metadata document's shape and rebuild its layout."""
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"checkpoint {path}: 'yeto' metadata is not a JSON object")
+    if doc.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {doc.get('format')!r}; this yeto reads {FORMAT_VERSION}"
+        )
+    try:
+        specs = [TensorSpec(n, tuple(shape), dtype, bool(emb)) for n, shape, dtype, emb in doc["specs"]]
+        layout = build_layout(specs, doc["num_fragments"], doc["pattern"])
+        stored = bytes.fromhex(doc["fingerprint"])
+        checks = [
+            isinstance(doc["backend"], str),
+            isinstance(doc["next_round"], int),
+            isinstance(doc["finalized"], bool),
+            isinstance(doc["extra"], dict),
+            all(isinstance(v, int) for v in doc["versions"]),
+            all(isinstance(k, str) and isinstance(v, int) for k, v in doc["ledger"].items()),
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"checkpoint {path} has malformed 'yeto' metadata: {exc!r}") from exc
+    if not all(checks):
+        raise CheckpointError(f"checkpoint {path} has malformed 'yeto' metadata (field types)")
+    if stored != layout.fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path}: stored layout fingerprint {stored.hex()[:16]} does not match the layout "
+            f"rebuilt from its specs ({layout.fingerprint.hex()[:16]})"
+        )
+    if len(doc["versions"]) != layout.num_fragments:
+        raise CheckpointError(
+            f"checkpoint {path} has {len(doc['versions'])} versions for {layout.num_fragments} fragments"
+        )
+    return specs, layout, doc
+
+
+def load_checkpoint(
+    path: Path, *, expect_fingerprint: bytes | None = None, expect_backend: str | None = None
+) -> SyncerState:
+    """Read and fully validate a checkpoint; raises CheckpointError before returning anything."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if _META_KEY not in meta:
+                raise CheckpointError(
+                    f"checkpoint {path} has no 'yeto' metadata; not a yeto syncer checkpoint"
+                )
+            try:
+                doc = json.loads(meta[_META_KEY])
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {path} has corrupt 'yeto' metadata: {exc}") from exc
+            specs, layout, doc = _parse(path, doc)
+            if expect_fingerprint is not None and expect_fingerprint != layout.fingerprint:
+                raise CheckpointError(
+                    f"checkpoint {path} was written for layout {layout.fingerprint.hex()[:16]}, but this run "
+                    f"uses layout {expect_fingerprint.hex()[:16]} (different model, fragments or pattern)"
+                )
+            if expect_backend is not None and expect_backend != doc["backend"]:
+                raise CheckpointError(
+                    f"checkpoint {path} was merged with backend {doc['backend']!r}, "
+                    f"but this run uses {expect_backend!r}"
+                )
+            expected = {name: shape for name, _, _, _, shape in _tensor_names(layout)}
+            present = set(f.keys())
+            if missing := sorted(set(expected) - present):
+                raise CheckpointError(f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}")
+            if unexpected := sorted(present - set(expected)):
+                raise CheckpointError(
+                    f"checkpoint {path} has unexpected tensors: {', '.join(unexpected[:5])}"
+                )
+            for name, shape in expected.items():
+                sl = f.get_slice(name)
+                if sl.get_dtype() != "F32" or tuple(sl.get_shape()) != shape:
+                    raise CheckpointError(
+                        f"checkpoint {path}: tensor {name} is {sl.get_dtype()} {sl.get_shape()}, "
+                        f"expected F32 {list(shape)}"
+                    )
+            bufs = {
+                kind: [torch.empty(frag.numel, dtype=torch.float32) for frag in layout.fragments]
+                for kind in ("param", "momentum")
+            }
+            for name, frag, offset, numel, _ in _tensor_names(layout):
+                bufs[name.split("/", 1)[0]][frag][offset : offset + numel] = f.get_tensor(name).reshape(-1)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors reports truncation and bad headers as assorted errors
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt: {exc}") from exc
+    return SyncerState(
+        specs=specs,
+        num_fragments=layout.num_fragments,
+        pattern=layout.pattern,
+        fingerprint=layout.fingerprint,
+        backend=doc["backend"],
+        params=bufs["param"],
+        momentum=bufs["momentum"],
+        versions=list(doc["versions"]),
+        next_round=doc["next_round"],
+        ledger=dict(doc["ledger"]),
+        finalized=doc["finalized"],
+        extra=doc["extra"],
+    )

@@ -1,0 +1,460 @@
+"""The single coordinator actor (SPEC §3.1): it alone mutates global state.
+
+Reader threads post `Joined`/`Got`/`Left` events; this thread handles them one at a time, asks
+the pure functions in `rounds.py` what to do, runs the pure merge math in `merge.py`, and then,
+strictly in round order, commits: Nesterov outer step, fragment version, token ledger, event
+tape, checkpoint (durable before the broadcast that announces it), BCAST to every learner, and
+one log line.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from syncer.checkpoint import SyncerState, save_checkpoint
+from syncer.merge import Segment, check_finite, learner_weights, merge_deltas, nesterov_step, outer_gradient
+from syncer.rounds import (
+    Answer,
+    Attempt,
+    Verdict,
+    attempt_quorum,
+    decide_round,
+    fragment_of_round,
+    should_finalize,
+    should_launch,
+)
+from syncer.server import Got, Joined, Left, layout_mismatch
+from syncer.tape import EventTape
+from yeto_core.codecs import F32, codec_by_id, tensor_bytes
+from yeto_core.layout import Layout, build_layout
+from yeto_core.settings import SyncerSettings
+from yeto_core.wire.errors import ErrorCode
+from yeto_core.wire.messages import BCAST_FULL, Bcast, Bye, Done, Error, Final, Init, Message, Pull, Push
+from yeto_core.wire.transport import ConnectionGroup
+
+log = logging.getLogger("yeto.syncer")
+
+BACKEND_ID = "rda-nesterov-v1"
+
+
+class Phase(enum.Enum):
+    WAIT_INIT = "wait-init"
+    RUNNING = "running"
+    FINALIZING = "finalizing"
+    DONE = "done"
+
+
+@dataclass
+class Link:
+    learner_id: int
+    generation: int
+    group: ConnectionGroup
+    fingerprint: bytes
+    finished: bool = False
+    final_sent: bool = False
+    acked: bool = False
+
+
+@dataclass
+class InitProgress:
+    received: set[int] = field(default_factory=set)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        settings: SyncerSettings,
+        *,
+        device: torch.device,
+        tape: EventTape,
+        state: SyncerState | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.device = device
+        self.tape = tape
+        self.clock = clock
+        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.links: dict[int, Link] = {}
+        self.finished: set[int] = set()
+        self.state = state
+        self.layout: Layout | None = None
+        self.segments: list[list[Segment]] = []
+        self.attempt: Attempt | None = None
+        self._attempts = 0
+        self._init = InitProgress()
+        self._started = clock()
+        self._final_deadline = 0.0
+        self._last_wait_reason = ""
+        self.exit_code = 0
+        self._stop_requested = False
+        self.phase = Phase.WAIT_INIT
+        if state is not None:
+            self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
+            self.phase = Phase.RUNNING
+            if state.finalized:
+                self._begin_finalizing("the resumed checkpoint is already final", save=False)
+
+    # -- read by server threads (immutable references, safe to read without a lock) -----------
+    def pinned_fingerprint(self) -> bytes | None:
+        return self.layout.fingerprint if self.layout is not None else None
+
+    def max_payload(self) -> int:
+        return max(f.numel for f in self.layout.fragments) * 4 if self.layout is not None else 0
+
+    def initial_cut_ready(self) -> bool:
+        return self.phase in (Phase.RUNNING, Phase.FINALIZING)
+
+    def post(self, event: Any) -> None:
+        self.events.put(event)
+
+    def request_stop(self) -> None:
+        """Stop without finalizing (a signal): committed state is already on disk."""
+        self._stop_requested = True
+
+    # -- the actor loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        while self.phase is not Phase.DONE:
+            try:
+                event = self.events.get(timeout=self._wakeup())
+            except queue.Empty:
+                event = None
+            if event is not None:
+                self._handle(event)
+            self._advance()
+        for link in list(self.links.values()):
+            link.group.close("syncer stopped")
+        return self.exit_code
+
+    def _wakeup(self) -> float:
+        if self.attempt is not None:
+            return max(0.01, min(0.5, self.attempt.deadline - self.clock()))
+        return 0.25
+
+    def _handle(self, event: Any) -> None:
+        if isinstance(event, Joined):
+            self._on_joined(event)
+        elif isinstance(event, Left):
+            link = self.links.get(event.learner_id)
+            if link is not None and link.generation == event.generation:
+                del self.links[event.learner_id]
+                if link.final_sent:
+                    link.acked = True
+                log.info("learner %d left (%s)", event.learner_id, event.reason)
+        elif isinstance(event, Got):
+            link = self.links.get(event.learner_id)
+            if link is None or link.generation != event.generation:
+                return  # a message from a replaced connection group
+            self._on_message(link, event.msg, event.payload)
+
+    # -- joins ---------------------------------------------------------------------------------
+    def _on_joined(self, ev: Joined) -> None:
+        old = self.links.get(ev.learner_id)
+        if old is not None:
+            old.group.close(f"replaced by generation {ev.generation}")
+        link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint)
+        if ev.manifest is not None and self.layout is None:
+            layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
+            self._pin(layout)
+        if self.layout is not None and ev.fingerprint != self.layout.fingerprint:
+            reason = layout_mismatch(ev.learner_id, ev.fingerprint, self.layout.fingerprint)
+            self._refuse(link, ErrorCode.LAYOUT, reason)
+            return
+        self.links[ev.learner_id] = link
+        self.finished.discard(ev.learner_id)
+        log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(self.links))
+        self.tape.append({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
+        if self.phase is Phase.RUNNING:
+            self._send_full_state(link)
+        elif self.phase is Phase.FINALIZING:
+            self._send_final(link)
+
+    def _pin(self, layout: Layout) -> None:
+        """Learner 0's manifest defines the model: allocate global state, refuse mismatches."""
+        self._adopt_layout(layout)
+        p = layout.num_fragments
+        zeros = [torch.zeros(f.numel, dtype=torch.float32, device=self.device) for f in layout.fragments]
+        self.state = SyncerState(
+            specs=list(layout.specs), num_fragments=p, pattern=layout.pattern, fingerprint=layout.fingerprint,
+            backend=BACKEND_ID, params=zeros, momentum=[z.clone() for z in zeros], versions=[0] * p,
+            next_round=0, ledger={}, finalized=False,
+            extra={"outer_lr": self.settings.outer_lr, "outer_momentum": self.settings.outer_momentum},
+        )
+        log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",
+                 len(layout.specs), layout.total_numel, p, layout.pattern, layout.fingerprint.hex()[:16])
+        for other in list(self.links.values()):
+            if other.fingerprint != layout.fingerprint:
+                del self.links[other.learner_id]
+                self._refuse(other, ErrorCode.LAYOUT,
+                             layout_mismatch(other.learner_id, other.fingerprint, layout.fingerprint))
+
+    def _adopt_layout(self, layout: Layout) -> None:
+        self.layout = layout
+        self.segments = [
+            [Segment(s.offset, s.numel, rda=not s.embedding) for s in frag.slots] for frag in layout.fragments
+        ]
+
+    def _refuse(self, link: Link, code: ErrorCode, reason: str) -> None:
+        log.warning("refusing learner %d: %s", link.learner_id, reason)
+        link.group.send(Error(code, reason))
+        link.group.close(reason)
+
+    # -- messages ------------------------------------------------------------------------------
+    def _on_message(self, link: Link, msg: Message, payload: memoryview | None) -> None:
+        if isinstance(msg, Init):
+            self._on_init(link, msg, payload)
+        elif isinstance(msg, Push):
+            self._on_push(link, msg, payload)
+        elif isinstance(msg, Done):
+            if link.learner_id not in self.finished:
+                self.finished.add(link.learner_id)
+                log.info("learner %d finished training at its step %d", link.learner_id, msg.step)
+                self.tape.append({"event": "done", "learner": link.learner_id, "step": msg.step})
+        elif isinstance(msg, Bye):
+            link.acked = link.final_sent
+            log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
+        elif isinstance(msg, Error):
+            log.warning("learner %d reports %s: %s", link.learner_id, msg.code.name, msg.reason)
+        else:
+            self._refuse(link, ErrorCode.PROTOCOL, f"unexpected {msg.TYPE.name} from a learner")
+
+    def _on_init(self, link: Link, msg: Init, payload: memoryview | None) -> None:
+        if self.phase is not Phase.WAIT_INIT or self.layout is None or self.state is None:
+            return  # a replayed INIT after the initial cut: ignored by design
+        if link.learner_id != 0:
+            self._refuse(link, ErrorCode.PROTOCOL, "only learner 0 sends INIT")
+            return
+        if msg.fragment >= self.layout.num_fragments or msg.codec != F32.wire_id:
+            self._refuse(link, ErrorCode.PROTOCOL, f"INIT names fragment {msg.fragment} with codec {msg.codec}")
+            return
+        numel = self.layout.fragments[msg.fragment].numel
+        if payload is None or len(payload) != numel * 4:
+            self._refuse(link, ErrorCode.PROTOCOL, f"INIT of fragment {msg.fragment} has "
+                         f"{0 if payload is None else len(payload)} bytes, expected {numel * 4}")
+            return
+        values = torch.frombuffer(payload, dtype=torch.float32)
+        if not bool(torch.isfinite(values).all()):
+            self._refuse(link, ErrorCode.REFUSED, f"INIT of fragment {msg.fragment} contains NaN or Inf")
+            return
+        self.state.params[msg.fragment].copy_(values)
+        self._init.received.add(msg.fragment)
+        if len(self._init.received) == self.layout.num_fragments:
+            self._initial_cut()
+
+    def _initial_cut(self) -> None:
+        assert self.state is not None
+        self.phase = Phase.RUNNING
+        self._save_checkpoint()
+        self.tape.append({"event": "init", "fragments": self.state.num_fragments,
+                          "fingerprint": self.state.fingerprint.hex()})
+        log.info("initial cut ready: broadcasting %d fragments to %d learners", self.state.num_fragments,
+                 len(self.links))
+        for link in list(self.links.values()):
+            self._send_full_state(link)
+
+    def _on_push(self, link: Link, msg: Push, payload: memoryview | None) -> None:
+        attempt = self.attempt
+        lid = link.learner_id
+        if attempt is None or (msg.round, msg.attempt) != (attempt.round, attempt.attempt):
+            log.info("learner %d: push for round %d attempt %d ignored (not the open attempt)", lid, msg.round,
+                     msg.attempt)
+            return
+        if attempt.members.get(lid) != link.generation or lid in attempt.answers:
+            log.info("learner %d: push for round %d ignored (not a member of this attempt, or a repeat)", lid,
+                     msg.round)
+            return
+        reason = self._push_problem(msg, attempt, payload)
+        if reason is not None:
+            log.warning("learner %d: push refused: %s", lid, reason)
+            self.tape.append({"event": "refused", "learner": lid, "round": msg.round, "reason": reason})
+            link.group.send(Error(ErrorCode.REFUSED, reason))
+            return
+        assert payload is not None and self.layout is not None
+        codec = codec_by_id(msg.codec)
+        delta = torch.empty(self.layout.fragments[msg.fragment].numel, dtype=torch.float32)
+        codec.decode(payload, delta)
+        if check_finite(delta.view(1, -1)) is not None:
+            reason = f"delta for fragment {msg.fragment} contains NaN or Inf"
+            log.warning("learner %d: push refused: %s", lid, reason)
+            self.tape.append({"event": "refused", "learner": lid, "round": msg.round, "reason": reason})
+            link.group.send(Error(ErrorCode.REFUSED, reason))
+            return
+        attempt.answers[lid] = Answer(lid, link.generation, msg.tokens, msg.steps, delta.to(self.device))
+
+    def _push_problem(self, msg: Push, attempt: Attempt, payload: memoryview | None) -> str | None:
+        if msg.fragment != attempt.fragment:
+            return f"push names fragment {msg.fragment}, round {attempt.round} merges fragment {attempt.fragment}"
+        if msg.base_version != attempt.version:
+            return (f"stale base: delta against version {msg.base_version} of fragment {msg.fragment}, "
+                    f"global is at {attempt.version}")
+        if msg.steps < 1:
+            return "push reports zero steps"
+        try:
+            codec = codec_by_id(msg.codec)
+        except ValueError as exc:
+            return str(exc)
+        assert self.layout is not None
+        expected = codec.encoded_nbytes(self.layout.fragments[msg.fragment].numel)
+        if payload is None or len(payload) != expected:
+            return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
+        return None
+
+    # -- advancing -----------------------------------------------------------------------------
+    def _live(self) -> dict[int, int]:
+        return {lid: link.generation for lid, link in self.links.items() if lid not in self.finished}
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self._stop_requested:
+            self.phase = Phase.DONE
+            return
+        if self.phase is Phase.WAIT_INIT:
+            if now - self._started > self.settings.init_timeout_s:
+                log.error("no complete INIT from learner 0 within %.0f s; giving up", self.settings.init_timeout_s)
+                self.exit_code = 3
+                self.phase = Phase.DONE
+            return
+        if self.phase is Phase.FINALIZING:
+            waiting = [lid for lid, link in self.links.items() if not link.acked]
+            if not waiting or now > self._final_deadline:
+                if waiting:
+                    log.warning("learners %s did not confirm the final cut in time", waiting)
+                self.phase = Phase.DONE
+            return
+        if self.phase is not Phase.RUNNING:
+            return
+        assert self.state is not None
+        live = self._live()
+        done, why = should_finalize(next_round=self.state.next_round, total_rounds=self.settings.total_rounds,
+                                    training=len(live), finished=len(self.finished))
+        if done:
+            self._begin_finalizing(why)
+            return
+        if self.attempt is not None:
+            verdict, reason = decide_round(now, self.attempt, live)
+            if verdict is Verdict.COMMIT:
+                self._commit(self.attempt, reason)
+                self.attempt = None
+            elif verdict is Verdict.RETRY:
+                a = self.attempt
+                log.warning("round %d attempt %d discarded: %s", a.round, a.attempt, reason)
+                self.tape.append({"event": "retry", "round": a.round, "attempt": a.attempt, "fragment": a.fragment,
+                                  "reason": reason, "answered": sorted(a.answers)})
+                self.attempt = None
+        if self.attempt is None:
+            self._maybe_launch(now, live)
+
+    def _maybe_launch(self, now: float, live: dict[int, int]) -> None:
+        assert self.state is not None and self.layout is not None
+        quorum = attempt_quorum(self.settings.effective_quorum, self.settings.learners, len(self.finished))
+        go, reason = should_launch(eligible=len(live), quorum=quorum, next_round=self.state.next_round,
+                                   total_rounds=self.settings.total_rounds, in_flight=self.attempt is not None)
+        if not go:
+            if reason != self._last_wait_reason:
+                log.info("waiting: %s", reason)
+                self._last_wait_reason = reason
+            return
+        self._last_wait_reason = ""
+        self._attempts += 1
+        r = self.state.next_round
+        f = fragment_of_round(r, self.layout.num_fragments)
+        self.attempt = Attempt(round=r, attempt=self._attempts, fragment=f, version=self.state.versions[f],
+                               members=dict(live), quorum=quorum, launched_at=now,
+                               deadline=now + self.settings.round_timeout_s)
+        pull = Pull(r, self._attempts, f, self.state.versions[f])
+        for lid in live:
+            self.links[lid].group.send(pull)
+
+    def _commit(self, attempt: Attempt, reason: str) -> None:
+        assert self.state is not None
+        t0 = time.perf_counter()
+        answers = [attempt.answers[lid] for lid in sorted(attempt.answers)]
+        weights = learner_weights([a.tokens for a in answers], [a.steps for a in answers])
+        deltas = torch.stack([a.delta for a in answers])
+        merged = merge_deltas(deltas, weights.to(device=self.device, dtype=torch.float32),
+                              self.segments[attempt.fragment])
+        grad = outer_gradient(merged)
+        f = attempt.fragment
+        nesterov_step(self.state.params[f], self.state.momentum[f], grad, lr=self.settings.outer_lr,
+                      momentum_coef=self.settings.outer_momentum)
+        merge_ms = (time.perf_counter() - t0) * 1000
+        self.state.versions[f] += 1
+        self.state.next_round = attempt.round + 1
+        for a in answers:
+            key = str(a.learner_id)
+            self.state.ledger[key] = self.state.ledger.get(key, 0) + a.tokens
+        grad_norm = float(torch.linalg.vector_norm(grad.double()))
+        record = {
+            "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
+            "version": self.state.versions[f], "learners": [a.learner_id for a in answers],
+            "weights": [round(float(w), 6) for w in weights], "tokens": [a.tokens for a in answers],
+            "steps": [a.steps for a in answers], "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
+            "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
+        }
+        ckpt_ms = None
+        if self.state.next_round % self.settings.checkpoint_every == 0:
+            ckpt_ms = self._save_checkpoint()
+        if ckpt_ms is not None:
+            record["checkpoint_ms"] = round(ckpt_ms, 1)
+        self.tape.append(record)
+        payload = self._fragment_bytes(f)
+        msg = Bcast(f, self.state.versions[f], attempt.round, BCAST_FULL, 0, 0, F32.wire_id)
+        for link in list(self.links.values()):
+            link.group.send(msg, payload)
+        log.info("round %d committed: fragment %d -> v%d, learners %s, weights %s, |outer grad| %.4g, "
+                 "merge %.1f ms (%s)", attempt.round, f, self.state.versions[f], record["learners"],
+                 [f"{w:.2f}" for w in weights.tolist()], grad_norm, merge_ms, reason)
+
+    # -- state out -----------------------------------------------------------------------------
+    def _fragment_bytes(self, index: int) -> memoryview:
+        """An immutable snapshot of one fragment, shared by every learner's sender threads."""
+        assert self.state is not None
+        return tensor_bytes(self.state.params[index].detach().to("cpu", copy=True))
+
+    def _send_full_state(self, link: Link) -> None:
+        assert self.state is not None
+        for i in range(self.state.num_fragments):
+            msg = Bcast(i, self.state.versions[i], self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
+            link.group.send(msg, self._fragment_bytes(i))
+
+    def _send_final(self, link: Link) -> None:
+        assert self.state is not None
+        p = self.state.num_fragments
+        for i in range(p):
+            msg = Final(i, self.state.versions[i], p, self.state.next_round, 0, 0, F32.wire_id)
+            link.group.send(msg, self._fragment_bytes(i))
+        link.final_sent = True
+
+    def _begin_finalizing(self, reason: str, *, save: bool = True) -> None:
+        assert self.state is not None
+        if self.attempt is not None:
+            a = self.attempt
+            self.tape.append({"event": "abandon", "round": a.round, "attempt": a.attempt, "reason": "finalizing"})
+            self.attempt = None
+        self.state.finalized = True
+        if save:
+            self._save_checkpoint()
+            self.tape.append({"event": "final", "rounds": self.state.next_round, "versions": self.state.versions,
+                              "reason": reason, "ledger": dict(self.state.ledger)})
+        log.info("finalizing after %d rounds: %s; sending the final cut to %d learners", self.state.next_round,
+                 reason, len(self.links))
+        self.phase = Phase.FINALIZING
+        self._final_deadline = self.clock() + self.settings.final_timeout_s
+        for link in list(self.links.values()):
+            self._send_final(link)
+
+    def _save_checkpoint(self) -> float | None:
+        path = self.settings.checkpoint
+        if path is None or self.state is None:
+            return None
+        t0 = time.perf_counter()
+        save_checkpoint(path, self.state, progress=True)
+        return (time.perf_counter() - t0) * 1000

@@ -1,0 +1,267 @@
+"""The syncer's sockets: accept, authenticate, assemble connection groups, post events.
+
+Every accepted stream is greeted with a CHALLENGE (fresh nonce, fragment count, pattern). A
+control stream answers HELLO; a data stream answers ATTACH with the token from WELCOME. Nothing
+here touches global state: a finished group becomes a `Joined` event for the coordinator, and
+everything it receives becomes `Got` / `Left` events. Refusals (wrong key, layout, contract,
+malformed first frame) get one ERROR frame with the reason, then the socket is closed; the
+listener keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from yeto_core.codecs import CODECS
+from yeto_core.layout import build_layout
+from yeto_core.wire import auth
+from yeto_core.wire.errors import ErrorCode, WireError
+from yeto_core.wire.messages import (
+    CHUNK_BYTES,
+    HELLO_SENDS_MANIFEST,
+    Attach,
+    Challenge,
+    Error,
+    Hello,
+    Manifest,
+    Message,
+    Welcome,
+)
+from yeto_core.wire.transport import ConnectionGroup, Stream, tune_socket
+
+log = logging.getLogger("yeto.syncer.server")
+
+WIRE_IDS = {c.wire_id for c in CODECS.values()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    learner_id: int
+    generation: int
+    group: ConnectionGroup
+    fingerprint: bytes
+    wire_dtype: int
+    manifest: Manifest | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Got:
+    learner_id: int
+    generation: int
+    msg: Message
+    payload: memoryview | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Left:
+    learner_id: int
+    generation: int
+    reason: str
+
+
+@dataclasses.dataclass
+class _Pending:
+    hello: Hello
+    generation: int
+    control: Stream
+    data: list[Stream | None]
+    created: float
+    manifest: Manifest | None = None
+    bound: int = 0  # transfer bound implied by the manifest (learner 0 before the initial cut)
+
+
+class HandshakeRefused(Exception):
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class SyncerServer:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        key: bytes,
+        num_fragments: int,
+        pattern: str,
+        post: Callable[[Any], None],
+        pinned_fingerprint: Callable[[], bytes | None],
+        max_payload: Callable[[], int],
+        initial_cut_ready: Callable[[], bool],
+        handshake_timeout_s: float = 10.0,
+        heartbeat_s: float = 2.0,
+        peer_timeout_s: float = 30.0,
+    ) -> None:
+        self._key = key
+        self._num_fragments = num_fragments
+        self._pattern = pattern
+        self._post = post
+        self._pinned = pinned_fingerprint
+        self._max_payload = max_payload
+        self._initial_cut_ready = initial_cut_ready
+        self._handshake_timeout_s = handshake_timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._peer_timeout_s = peer_timeout_s
+        self._lock = threading.Lock()
+        self._generations: dict[int, int] = {}
+        self._pending: dict[bytes, _Pending] = {}
+        self._stop = threading.Event()
+        self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._thread = threading.Thread(target=self._accept_loop, name="syncer-accept", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            for s in [p.control, *p.data]:
+                if s is not None:
+                    s.close()
+
+    # -- accept / handshake --------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        self._listener.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except TimeoutError:
+                self._expire_pending()
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock, peer), name=f"syncer-hs-{peer[1]}",
+                             daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: tuple[Any, ...]) -> None:
+        sock.settimeout(self._handshake_timeout_s)
+        stream = Stream(sock, f"{peer[0]}:{peer[1]}")
+        try:
+            nonce = auth.new_nonce()
+            stream.send_frame(Challenge(nonce, self._num_fragments, self._pattern))
+            first = stream.read_message(max_body=64 * 1024)
+            if isinstance(first, Hello):
+                tune_socket(sock, bulk=False)
+                self._on_hello(stream, nonce, first)
+            elif isinstance(first, Attach):
+                tune_socket(sock, bulk=True)
+                self._on_attach(stream, nonce, first)
+            else:
+                raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected HELLO or ATTACH, got {first.TYPE.name}")
+        except HandshakeRefused as exc:
+            log.warning("refused %s: %s", stream.name, exc.reason)
+            with contextlib.suppress(OSError):
+                stream.send_frame(Error(exc.code, exc.reason))
+            stream.close()
+        except (WireError, OSError) as exc:
+            log.warning("handshake with %s failed: %s", stream.name, exc)
+            with contextlib.suppress(OSError):
+                stream.send_frame(Error(ErrorCode.PROTOCOL, f"handshake failed: {exc}"))
+            stream.close()
+
+    def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello) -> None:
+        who = f"learner {hello.learner_id} ({stream.name})"
+        if not auth.verify(self._key, hello.mac, auth.HELLO_LABEL, nonce, hello.signed_part()):
+            raise HandshakeRefused(ErrorCode.AUTH, f"HMAC check failed for {who}: it does not hold the syncer's key")
+        if hello.chunk_bytes != CHUNK_BYTES:
+            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} uses {hello.chunk_bytes}-byte chunks; "
+                                   f"this syncer uses {CHUNK_BYTES}")
+        if hello.wire_dtype not in WIRE_IDS:
+            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for unknown wire dtype {hello.wire_dtype}")
+        if not 1 <= hello.data_streams <= 64:
+            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for {hello.data_streams} data streams (1..64)")
+        pinned = self._pinned()
+        if pinned is not None and pinned != hello.fingerprint:
+            raise HandshakeRefused(ErrorCode.LAYOUT, layout_mismatch(hello.learner_id, hello.fingerprint, pinned))
+        with self._lock:
+            generation = self._generations.get(hello.learner_id, 0) + 1
+            self._generations[hello.learner_id] = generation
+            token = auth.new_token()
+            pending = _Pending(hello, generation, stream, [None] * hello.data_streams, time.monotonic())
+            self._pending[token] = pending
+        mac = auth.sign(self._key, auth.WELCOME_LABEL, hello.client_nonce, token, generation.to_bytes(4, "little"))
+        stream.send_frame(Welcome(token, generation, self._initial_cut_ready(), mac))
+        if hello.flags & HELLO_SENDS_MANIFEST:
+            pending.manifest, pending.bound = self._read_manifest(stream, hello)
+
+    def _read_manifest(self, stream: Stream, hello: Hello) -> tuple[Manifest, int]:
+        """Learner 0's model description: the layout it implies must match its own fingerprint."""
+        manifest = stream.read_message()
+        if not isinstance(manifest, Manifest):
+            raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected MANIFEST after WELCOME, got {manifest.TYPE.name}")
+        if (manifest.num_fragments, manifest.pattern) != (self._num_fragments, self._pattern):
+            raise HandshakeRefused(ErrorCode.LAYOUT, f"manifest asks for {manifest.num_fragments} {manifest.pattern} "
+                                   f"fragments; the syncer uses {self._num_fragments} {self._pattern}")
+        try:
+            layout = build_layout(manifest.specs, manifest.num_fragments, manifest.pattern)
+        except ValueError as exc:
+            raise HandshakeRefused(ErrorCode.LAYOUT, f"manifest of learner {hello.learner_id}: {exc}") from exc
+        if layout.fingerprint != hello.fingerprint:
+            raise HandshakeRefused(ErrorCode.LAYOUT, f"learner {hello.learner_id}'s manifest does not produce the "
+                                   "fingerprint it sent in HELLO")
+        return manifest, max(f.numel for f in layout.fragments) * 4
+
+    def _on_attach(self, stream: Stream, nonce: bytes, attach: Attach) -> None:
+        with self._lock:
+            pending = self._pending.get(attach.token)
+        if pending is None:
+            raise HandshakeRefused(ErrorCode.PROTOCOL, "ATTACH names no pending connection group")
+        if not auth.verify(self._key, attach.mac, auth.ATTACH_LABEL, nonce, attach.token, bytes([attach.index])):
+            raise HandshakeRefused(ErrorCode.AUTH, f"HMAC check failed on a data stream of learner "
+                                   f"{pending.hello.learner_id}")
+        if attach.index >= len(pending.data) or pending.data[attach.index] is not None:
+            raise HandshakeRefused(ErrorCode.PROTOCOL, f"data stream index {attach.index} is invalid or taken")
+        with self._lock:
+            pending.data[attach.index] = stream
+            complete = all(s is not None for s in pending.data)
+            if complete:
+                del self._pending[attach.token]
+        if complete:
+            self._start_group(pending)
+
+    def _start_group(self, p: _Pending) -> None:
+        lid, gen = p.hello.learner_id, p.generation
+        data = [s for s in p.data if s is not None]
+        bound = p.bound
+        group = ConnectionGroup(
+            p.control, data, name=f"syncer<-learner{lid}.{gen}",
+            on_message=lambda msg, payload: self._post(Got(lid, gen, msg, payload)),
+            on_close=lambda reason: self._post(Left(lid, gen, reason)),
+            max_payload=(lambda: bound) if bound else self._max_payload,
+            heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s,
+        )
+        self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest))
+        group.start()
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [t for t, p in self._pending.items() if now - p.created > self._handshake_timeout_s]
+            gone = [self._pending.pop(t) for t in stale]
+        for p in gone:
+            log.warning("learner %d: data streams did not attach within %.0f s", p.hello.learner_id,
+                        self._handshake_timeout_s)
+            with contextlib.suppress(OSError):
+                p.control.send_frame(Error(ErrorCode.PROTOCOL, "data streams did not attach in time"))
+            for s in [p.control, *p.data]:
+                if s is not None:
+                    s.close()
+
+
+def layout_mismatch(learner_id: int, theirs: bytes, ours: bytes) -> str:
+    return (f"layout fingerprint mismatch: learner {learner_id} has {theirs.hex()[:16]}…, the syncer's model has "
+            f"{ours.hex()[:16]}… (different model, tensor names, shapes, dtypes or fragment assignment)")

@@ -1,0 +1,275 @@
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint, save_checkpoint
+from yeto_core.layout import TensorSpec, build_layout
+
+pytestmark = pytest.mark.unit
+
+BACKEND = "rda-nesterov-v1"
+
+
+def tiny_specs() -> list[TensorSpec]:
+    specs = [TensorSpec("model.embed_tokens.weight", (32, 8), "bfloat16", embedding=True)]
+    for i in range(3):
+        p = f"model.layers.{i}"
+        specs += [
+            TensorSpec(f"{p}.attn.qkv.weight", (24, 8), "bfloat16"),
+            TensorSpec(f"{p}.mlp.up.weight", (16, 8), "bfloat16"),
+            TensorSpec(f"{p}.mlp.down.weight", (8, 16), "bfloat16"),
+            TensorSpec(f"{p}.norm.weight", (8,), "float32"),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (8,), "float32"))
+    return specs
+
+
+def make_state(pattern: str = "binpack", seed: int = 0) -> SyncerState:
+    specs = tiny_specs()
+    layout = build_layout(specs, 3, pattern)
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(f.numel, generator=gen) for f in layout.fragments]
+    momentum = [torch.randn(f.numel, generator=gen) * 1e-3 for f in layout.fragments]
+    params[1][0] = float("nan")  # bits, not values, must survive
+    params[1][1] = -0.0
+    return SyncerState(
+        specs=specs,
+        num_fragments=3,
+        pattern=pattern,
+        fingerprint=layout.fingerprint,
+        backend=BACKEND,
+        params=params,
+        momentum=momentum,
+        versions=[4, 3, 3],
+        next_round=10,
+        ledger={"0": 123_456, "7": 9_876_543_210},
+        finalized=True,
+        extra={"settings": {"quorum": 2, "outer_lr": 0.7}, "note": "ünïcode"},
+    )
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("pattern", ["binpack", "strided"])
+def test_round_trip_is_bit_exact(tmp_path: Path, pattern: str) -> None:
+    state = make_state(pattern)
+    path = tmp_path / "ckpt.safetensors"
+    written = save_checkpoint(path, state, progress=True)
+    assert written == path.stat().st_size
+
+    got = load_checkpoint(path, expect_fingerprint=state.fingerprint, expect_backend=BACKEND)
+    assert got.specs == state.specs
+    assert (got.num_fragments, got.pattern, got.fingerprint, got.backend) == (
+        3,
+        pattern,
+        state.fingerprint,
+        BACKEND,
+    )
+    for kind in ("params", "momentum"):
+        for a, b in zip(getattr(state, kind), getattr(got, kind), strict=True):
+            assert b.dtype == torch.float32 and b.is_contiguous() and b.dim() == 1
+            assert torch.equal(bits(a), bits(b))
+    assert got.versions == [4, 3, 3]
+    assert got.next_round == 10
+    assert got.ledger == state.ledger
+    assert got.finalized is True
+    assert got.extra == state.extra
+
+
+def test_loaded_buffers_are_owned(tmp_path: Path) -> None:
+    state = make_state()
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    got = load_checkpoint(path)
+    for buf in got.params + got.momentum:
+        assert buf.untyped_storage().nbytes() == 4 * buf.numel()  # its own storage, no views
+    got.params[0].fill_(7.0)  # writable, and writing does not reach the file
+    os.remove(path)
+    assert torch.equal(got.params[0], torch.full_like(state.params[0], 7.0))
+    save_checkpoint(path, state)
+    assert torch.equal(load_checkpoint(path).params[0], state.params[0])
+
+
+def test_file_is_plain_safetensors_with_model_shapes(tmp_path: Path) -> None:
+    state = make_state()
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    tensors = load_file(str(path))
+    assert len(tensors) == 2 * len(state.specs)
+    for spec in state.specs:
+        assert tuple(tensors[f"param/{spec.name}"].shape) == spec.shape
+        assert tuple(tensors[f"momentum/{spec.name}"].shape) == spec.shape
+        assert tensors[f"param/{spec.name}"].dtype == torch.float32
+    layout = build_layout(state.specs, 3, "binpack")
+    frag = layout.fragments[layout.fragment_of("model.layers.1.mlp.up.weight")]
+    slot = next(s for s in frag.slots if s.name == "model.layers.1.mlp.up.weight")
+    expected = state.params[frag.index][slot.offset : slot.offset + slot.numel].view(slot.shape)
+    assert torch.equal(tensors["param/model.layers.1.mlp.up.weight"], expected)
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["yeto"])
+    assert meta["format"] == 1
+    assert meta["fingerprint"] == state.fingerprint.hex()
+    assert meta["backend"] == BACKEND
+
+
+def test_file_contains_no_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert raw[8:9] == b"{"  # a JSON header, not a pickle opcode (0x80) or a zip archive
+    assert not raw.startswith(b"PK")
+    json.loads(raw[8 : 8 + n])
+    assert (8 + n) % 8 == 0
+    assert b"\x80\x02" not in raw[: 8 + n]
+
+
+def test_failed_save_keeps_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    old = make_state(seed=1)
+    save_checkpoint(path, old)
+    before = path.read_bytes()
+
+    def boom(src: object, dst: object) -> None:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "replace", boom)
+    new = make_state(seed=2)
+    new.versions = [9, 9, 9]
+    with pytest.raises(OSError, match="disk on fire"):
+        save_checkpoint(path, new)
+    monkeypatch.undo()
+
+    assert path.read_bytes() == before
+    assert list(tmp_path.iterdir()) == [path]
+    assert load_checkpoint(path).versions == old.versions
+
+
+def test_stale_tmp_file_is_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    (tmp_path / "ckpt.safetensors.tmp").write_bytes(b"garbage from a crashed writer")
+    save_checkpoint(path, make_state())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.safetensors"]
+    load_checkpoint(path)
+
+
+def test_truncated_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    cut = tmp_path / "cut.safetensors"
+    for size in (0, 4, 8, 20, 8 + n // 2, 8 + n, 8 + n + 100, len(raw) - 1):
+        cut.write_bytes(raw[:size])
+        with pytest.raises(CheckpointError, match=r"cut\.safetensors.*(truncated or corrupt)"):
+            load_checkpoint(cut)
+
+
+def test_corrupt_header_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    raw = bytearray(path.read_bytes())
+    raw[9:14] = b"\x00\xff\x00\xff\x00"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"nope\.safetensors does not exist"):
+        load_checkpoint(tmp_path / "nope.safetensors")
+
+
+def test_expect_fingerprint_mismatch(tmp_path: Path) -> None:
+    state = make_state()
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    other = build_layout(state.specs, 2, "binpack").fingerprint
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, expect_fingerprint=other)
+    msg = str(info.value)
+    assert state.fingerprint.hex()[:16] in msg and other.hex()[:16] in msg
+    assert "ckpt.safetensors" in msg
+
+
+def test_expect_backend_mismatch(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    with pytest.raises(CheckpointError, match=r"backend 'rda-nesterov-v1'.*'avg-sgd-v1'"):
+        load_checkpoint(path, expect_backend="avg-sgd-v1")
+
+
+def _rewrite_meta(path: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["yeto"])
+    edit(meta)
+    save_file(tensors, str(path), metadata={"yeto": json.dumps(meta)})
+
+
+def test_stored_fingerprint_must_match_specs(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    _rewrite_meta(path, lambda m: m.update(fingerprint="00" * 32))
+    with pytest.raises(CheckpointError, match="does not match the layout rebuilt"):
+        load_checkpoint(path)
+
+
+def test_unsupported_format_version(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    _rewrite_meta(path, lambda m: m.update(format=99))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        load_checkpoint(path)
+
+
+def test_versions_length_checked(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    _rewrite_meta(path, lambda m: m.update(versions=[1, 2]))
+    with pytest.raises(CheckpointError, match="2 versions for 3 fragments"):
+        load_checkpoint(path)
+
+
+def test_missing_metadata_and_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(CheckpointError, match="no 'yeto' metadata"):
+        load_checkpoint(path)
+
+    path = tmp_path / "ckpt.safetensors"
+    state = make_state()
+    save_checkpoint(path, state)
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    del tensors["momentum/model.norm.weight"]
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CheckpointError, match=r"missing tensors: momentum/model\.norm\.weight"):
+        load_checkpoint(path)
+
+    tensors["momentum/model.norm.weight"] = torch.zeros(4)
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CheckpointError, match=r"momentum/model\.norm\.weight is F32 \[4\]"):
+        load_checkpoint(path)
+
+
+def test_save_rejects_inconsistent_state(tmp_path: Path) -> None:
+    state = make_state()
+    state.params[2] = state.params[2][:-1]
+    with pytest.raises(ValueError, match=r"params\[2\]"):
+        save_checkpoint(tmp_path / "ckpt.safetensors", state)
+    assert list(tmp_path.iterdir()) == []

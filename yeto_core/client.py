@@ -1,0 +1,342 @@
+"""The learner's link to the syncer: dial, authenticate, redial, and a background sender.
+
+`SyncerClient` owns one thread that keeps a connection group alive (exponential backoff between
+dials, up to `reconnect_max_s`) and one sender thread that encodes and streams pushes, so the
+training thread never touches a socket. Everything the syncer sends lands, decoded, in
+`inbox`; the learner session drains it between steps. No network error ever propagates to the
+caller: the client records it, logs it, and redials. Only a permanent refusal (wrong key,
+layout or contract) stops redialing, and its reason is printed once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from yeto_core.codecs import F32, Codec, tensor_bytes
+from yeto_core.layout import Layout
+from yeto_core.wire import auth
+from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
+from yeto_core.wire.messages import (
+    CHUNK_BYTES,
+    HELLO_SENDS_MANIFEST,
+    Attach,
+    Bcast,
+    Bye,
+    Challenge,
+    Done,
+    Error,
+    Final,
+    Hello,
+    Init,
+    Manifest,
+    Message,
+    Pull,
+    Push,
+    Welcome,
+)
+from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, tune_socket
+
+log = logging.getLogger("yeto.client")
+
+MAX_DOWNLINK_MARGIN = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Connected:
+    generation: int
+    initial_cut_ready: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """A syncer message, with its payload decoded to float32 for BCAST and FINAL."""
+
+    msg: Message
+    values: torch.Tensor | None = None
+
+
+Inbound = Connected | Lost | Received
+
+
+@dataclasses.dataclass
+class PushJob:
+    """One push handed to the background sender; `done` is set when it went out or failed."""
+
+    pull: Pull
+    base_version: int
+    tokens: int
+    steps: int
+    delta: torch.Tensor
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: str | None = None
+    nbytes: int = 0
+
+
+class SyncerClient:
+    def __init__(
+        self,
+        *,
+        address: tuple[str, int],
+        key: bytes,
+        learner_id: int,
+        layout_for: Callable[[int, str], Layout],
+        codec: Codec = F32,
+        data_streams: int = 2,
+        connect_timeout_s: float = 10.0,
+        heartbeat_s: float = 2.0,
+        peer_timeout_s: float = 30.0,
+        reconnect_max_s: float = 30.0,
+        init_values: Callable[[], list[torch.Tensor] | None] | None = None,
+        step: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.address = address
+        self._key = key
+        self.learner_id = learner_id
+        self._layout_for = layout_for
+        self.codec = codec
+        self._data_streams = data_streams
+        self._connect_timeout_s = connect_timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._peer_timeout_s = peer_timeout_s
+        self._reconnect_max_s = reconnect_max_s
+        self._init_values = init_values
+        self._step = step
+        self.inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
+        self.layout: Layout | None = None
+        self.refused: Refused | None = None
+        self.initial_cut_received = threading.Event()
+        self._group: ConnectionGroup | None = None
+        self._group_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._jobs: queue.SimpleQueue[PushJob | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"yeto-learner{learner_id}-link", daemon=True),
+            threading.Thread(target=self._sender, name=f"yeto-learner{learner_id}-push", daemon=True),
+        ]
+        self.pushes_sent = 0
+        self.bytes_pushed = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    @property
+    def connected(self) -> bool:
+        group = self._group
+        return group is not None and not group.closed
+
+    def close(self, reason: str = "learner closing", *, bye: bool = True) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        with self._group_lock:
+            group = self._group
+        if group is not None and not group.closed:
+            if bye:
+                group.send(Bye(reason))
+            group.close(reason)
+        for t in self._threads:
+            t.join(timeout=5.0)
+
+    def send(self, msg: Message) -> bool:
+        """Send a control message if connected; False when there is no live link."""
+        with self._group_lock:
+            group = self._group
+        if group is None or group.closed:
+            return False
+        group.send(msg)
+        return not group.closed
+
+    def send_done(self, step: int) -> bool:
+        return self.send(Done(step))
+
+    def submit(self, job: PushJob) -> None:
+        """Queue a push for the background sender (never blocks)."""
+        self._jobs.put(job)
+
+    # -- the link thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            try:
+                group = self._dial()
+            except Refused as exc:
+                if exc.code.permanent:
+                    self.refused = exc
+                    print(f"yeto learner {self.learner_id}: refused by syncer: {exc.reason}", file=sys.stderr)
+                    log.error("learner %d refused by syncer: %s", self.learner_id, exc.reason)
+                    self.inbox.put(Lost(f"refused: {exc.reason}"))
+                    return
+                log.warning("learner %d: syncer refused the connection (%s); retrying", self.learner_id, exc)
+            except (OSError, ConnectionClosed, ProtocolError) as exc:
+                log.info("learner %d: cannot reach syncer %s:%d (%s)", self.learner_id, *self.address, exc)
+            else:
+                backoff = 0.2
+                while not group.wait_closed(1.0) and not self._stop.is_set():
+                    pass  # wakes when the link dies or on close()
+                if self._stop.is_set():
+                    return
+                self.inbox.put(Lost(group.close_reason or "link closed"))
+                log.warning("learner %d: link to syncer lost (%s); redialing", self.learner_id, group.close_reason)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self._reconnect_max_s)
+
+    def _dial(self) -> ConnectionGroup:
+        host, port = self.address
+        deadline = self._connect_timeout_s
+        sock = socket.create_connection((host, port), timeout=deadline)
+        tune_socket(sock, bulk=False)
+        control = Stream(sock, f"learner{self.learner_id}/ctl")
+        streams: list[Stream] = [control]
+        try:
+            challenge = self._expect(control, Challenge)
+            layout = self._layout_for(challenge.num_fragments, challenge.pattern)
+            self.layout = layout
+            client_nonce = auth.new_nonce()
+            # Learner 0 describes the model (MANIFEST, right after WELCOME) until the initial cut exists,
+            # so the syncer can build the layout and bound every transfer before any bulk byte arrives.
+            sends_manifest = self._init_values is not None and not self.initial_cut_received.is_set()
+            flags = HELLO_SENDS_MANIFEST if sends_manifest else 0
+            hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
+                          flags, client_nonce)
+            hello = dataclasses.replace(hello, mac=auth.sign(self._key, auth.HELLO_LABEL, challenge.nonce,
+                                                              hello.signed_part()))
+            control.send_frame(hello)
+            welcome = self._expect(control, Welcome)
+            if not auth.verify(self._key, welcome.mac, auth.WELCOME_LABEL, client_nonce, welcome.token,
+                               welcome.generation.to_bytes(4, "little")):
+                raise Refused(ErrorCode.AUTH, "the syncer could not prove it holds the same key")
+            if hello.flags & HELLO_SENDS_MANIFEST:
+                control.send_frame(Manifest(layout.num_fragments, layout.pattern, layout.specs))
+            data = []
+            for i in range(self._data_streams):
+                sock_i = socket.create_connection((host, port), timeout=deadline)
+                tune_socket(sock_i, bulk=True)
+                stream = Stream(sock_i, f"learner{self.learner_id}/data{i}")
+                streams.append(stream)
+                nonce = self._expect(stream, Challenge).nonce
+                stream.send_frame(Attach(welcome.token, i, auth.sign(self._key, auth.ATTACH_LABEL, nonce,
+                                                                     welcome.token, bytes([i]))))
+                data.append(stream)
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        max_payload = max(f.numel for f in layout.fragments) * 4 + MAX_DOWNLINK_MARGIN
+        group = ConnectionGroup(
+            control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
+            on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self._heartbeat_s,
+            peer_timeout_s=self._peer_timeout_s, heartbeat_step=self._step,
+        )
+        with self._group_lock:
+            self._group = group
+        group.start()
+        log.info("learner %d connected to syncer %s:%d (generation %d)", self.learner_id, host, port,
+                 welcome.generation)
+        self.inbox.put(Connected(welcome.generation, welcome.initial_cut_ready))
+        if sends_manifest and not welcome.initial_cut_ready:
+            self._send_init(group, layout)
+        return group
+
+    def _expect(self, stream: Stream, kind: type[Any]) -> Any:
+        msg = stream.read_message()
+        if isinstance(msg, Error):
+            raise Refused(msg.code, msg.reason)
+        if not isinstance(msg, kind):
+            raise ProtocolError(f"{stream.name}: expected {kind.__name__}, got {type(msg).__name__}")
+        return msg
+
+    def _send_init(self, group: ConnectionGroup, layout: Layout) -> None:
+        """Learner 0 uploads the manifest and every fragment's initial values (replayed on each
+        new connection group until the initial cut arrives; the syncer ignores repeats)."""
+        values = self._init_values() if self._init_values else None
+        if values is None:
+            return
+        from tqdm import tqdm  # local import: only learner 0 ever shows this bar
+
+        total = sum(v.numel() * 4 for v in values)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="yeto INIT upload", disable=None,
+                  leave=False) as bar:
+            for frag, vals in zip(layout.fragments, values, strict=True):
+                payload = tensor_bytes(vals)
+                ticket = group.send(Init(frag.index, 0, 0, F32.wire_id), payload)
+                while not ticket.done.wait(0.5):
+                    if self._stop.is_set():
+                        return
+                if not ticket.ok:
+                    log.warning("learner 0: INIT upload interrupted (%s)", ticket.error)
+                    return
+                bar.update(len(payload))
+        log.info("learner 0: INIT of %d fragments (%.1f MB) uploaded", len(values), total / 1e6)
+
+    def _on_message(self, msg: Message, payload: memoryview | None) -> None:
+        values = None
+        if isinstance(msg, Bcast | Final):
+            layout = self.layout
+            assert layout is not None
+            if msg.fragment >= layout.num_fragments:
+                raise ProtocolError(f"syncer sent {type(msg).__name__} for fragment {msg.fragment} of "
+                                    f"{layout.num_fragments}")
+            expected = layout.fragments[msg.fragment].numel * 4
+            if payload is None or len(payload) != expected or msg.codec != F32.wire_id:
+                raise ProtocolError(f"syncer sent {type(msg).__name__} of {0 if payload is None else len(payload)}"
+                                    f" bytes for fragment {msg.fragment}; expected {expected} f32 bytes")
+            # The reassembled buffer is ours alone: view it as float32 without copying.
+            values = torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
+            self.initial_cut_received.set()
+        elif isinstance(msg, Error):
+            log.warning("learner %d: syncer says %s: %s", self.learner_id, msg.code.name, msg.reason)
+        elif not isinstance(msg, Pull | Bye):
+            raise ProtocolError(f"unexpected {type(msg).__name__} from the syncer")
+        self.inbox.put(Received(msg, values))
+
+    # -- the sender thread -----------------------------------------------------------------
+    def _sender(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._send_push(job)
+            except Exception as exc:  # never let a push failure escape into training
+                job.error = f"push failed: {exc}"
+                log.exception("learner %d: push failed", self.learner_id)
+            finally:
+                job.done.set()
+
+    def _send_push(self, job: PushJob) -> None:
+        with self._group_lock:
+            group = self._group
+        if group is None or group.closed:
+            job.error = "no link to the syncer"
+            return
+        nbytes = self.codec.encoded_nbytes(job.delta.numel())
+        payload = bytearray(nbytes)
+        self.codec.encode(job.delta, memoryview(payload))
+        msg = Push(job.pull.round, job.pull.attempt, job.pull.fragment, job.base_version, job.tokens, job.steps,
+                   0, 0, self.codec.wire_id)
+        ticket: SendTicket = group.send(msg, payload)
+        while not ticket.done.wait(0.5):
+            if self._stop.is_set():
+                job.error = "client closing"
+                return
+        if not ticket.ok:
+            job.error = ticket.error
+            return
+        job.nbytes = nbytes
+        self.pushes_sent += 1
+        self.bytes_pushed += nbytes

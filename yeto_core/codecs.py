@@ -1,0 +1,218 @@
+"""Push codecs: how a fragment's flat float32 delta becomes wire bytes (SPEC §4.4).
+
+A codec turns a contiguous 1-D float32 tensor into exactly ``encoded_nbytes(numel)`` bytes and
+back. Bytes are little-endian. ``wire_id`` goes on the wire, so the numbers never change.
+
+- ``f32`` (id 1): the float32 values as they are; lossless.
+- ``bf16`` (id 2): the upper 16 bits after round-to-nearest-even — the very conversion torch
+  performs in ``tensor.to(torch.bfloat16)``, because encoding goes through torch's own kernel.
+  Decoding widens exactly (bf16 bits << 16).
+
+Bulk buffers are tens to hundreds of MiB, so both directions write straight into the buffers
+they are given: the wire buffer is viewed as a tensor (``torch.frombuffer``) or array
+(``numpy.frombuffer``) and filled in place. Work between different devices goes in chunks of at
+most ``_CHUNK_BYTES`` of wire bytes, which bounds the temporaries torch makes for a cross-device,
+cross-dtype copy.
+
+``bf16_round_reference`` is an independent, bit-level statement of the rounding rule that the
+tests hold torch to.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = [
+    "BF16",
+    "CODECS",
+    "F32",
+    "Codec",
+    "bf16_round_reference",
+    "codec_by_id",
+    "codec_by_name",
+]
+
+# torch.frombuffer views bytes in host order; the wire is little-endian.
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("yeto_core.codecs needs a little-endian host")
+
+# Large enough that per-chunk overhead vanishes, small enough to stay a modest temporary.
+_CHUNK_BYTES = 4 << 20
+
+
+class Codec(Protocol):
+    """Encodes a contiguous 1-D float32 tensor into a byte buffer of a size fixed by ``numel``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def wire_id(self) -> int: ...
+
+    def encoded_nbytes(self, numel: int) -> int: ...
+
+    def encode(self, src: torch.Tensor, out: memoryview) -> None: ...
+
+    def decode(self, buf: memoryview, out: torch.Tensor) -> None: ...
+
+
+class _Float32Codec:
+    __slots__ = ()
+    name = "f32"
+    wire_id = 1
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def encode(self, src: torch.Tensor, out: memoryview) -> None:
+        _check_src(self, src)
+        dst = _writable_bytes(self, out, self.encoded_nbytes(src.numel()))
+        if src.numel():
+            _copy_chunked(torch.frombuffer(dst, dtype=torch.float32), src, _CHUNK_BYTES // 4)
+
+    def decode(self, buf: memoryview, out: torch.Tensor) -> None:
+        _check_out(self, out)
+        raw = _as_bytes(self, buf, self.encoded_nbytes(out.numel()))
+        if not out.numel():
+            return
+        # numpy views a read-only buffer without complaint; torch.frombuffer would warn.
+        values = np.frombuffer(raw, dtype="<f4")
+        if out.device.type == "cpu":
+            np.copyto(out.detach().numpy(), values)
+        else:
+            _upload_chunked(out, values, torch.float32)
+
+
+class _BFloat16Codec:
+    __slots__ = ()
+    name = "bf16"
+    wire_id = 2
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode(self, src: torch.Tensor, out: memoryview) -> None:
+        _check_src(self, src)
+        dst = _writable_bytes(self, out, self.encoded_nbytes(src.numel()))
+        if src.numel():
+            # copy_ across dtypes runs torch's RNE conversion kernel, the same one .to() uses.
+            _copy_chunked(torch.frombuffer(dst, dtype=torch.bfloat16), src, _CHUNK_BYTES // 2)
+
+    def decode(self, buf: memoryview, out: torch.Tensor) -> None:
+        _check_out(self, out)
+        raw = _as_bytes(self, buf, self.encoded_nbytes(out.numel()))
+        if not out.numel():
+            return
+        bits = np.frombuffer(raw, dtype="<u2")
+        if out.device.type == "cpu":
+            # bf16 → f32 is exact: the 16 bits become the top half. The ufunc widens through its
+            # own small buffers, so no full-size temporary appears.
+            np.left_shift(bits, 16, out=out.detach().numpy().view(np.uint32), dtype=np.uint32)
+        else:
+            _upload_chunked(out, bits, torch.bfloat16)
+
+
+F32: Codec = _Float32Codec()
+BF16: Codec = _BFloat16Codec()
+CODECS: dict[str, Codec] = {c.name: c for c in (F32, BF16)}
+_BY_ID: dict[int, Codec] = {c.wire_id: c for c in CODECS.values()}
+
+
+def codec_by_name(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; accepted: {', '.join(CODECS)}") from None
+
+
+def codec_by_id(wire_id: int) -> Codec:
+    try:
+        return _BY_ID[wire_id]
+    except KeyError:
+        known = ", ".join(f"{i} ({c.name})" for i, c in sorted(_BY_ID.items()))
+        raise ValueError(f"unknown codec wire id {wire_id!r}; known: {known}") from None
+
+
+def bf16_round_reference(bits_f32: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:
+    """float32 bit patterns → bfloat16 bit patterns, round-to-nearest-even, from bit operations.
+
+    Adding 0x7FFF plus the lowest kept bit and truncating rounds halfway cases to the even
+    neighbour; a carry out of the mantissa bumps the exponent, which is also how the largest
+    finite values round up to infinity. NaN becomes the quiet NaN 0x7FC0 (torch's scalar rule;
+    its vector kernels may pick other NaN bits, so compare NaN-ness, not bits, for NaN).
+    """
+    bits = np.asarray(bits_f32, dtype=np.uint32).astype(np.uint64)  # room for the carry
+    lsb = (bits >> np.uint64(16)) & np.uint64(1)
+    rounded = ((bits + np.uint64(0x7FFF) + lsb) >> np.uint64(16)).astype(np.uint16)
+    is_nan = (bits & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000)
+    return np.where(is_nan, np.uint16(0x7FC0), rounded).astype(np.uint16)
+
+
+def _check_src(codec: Codec, src: torch.Tensor) -> None:
+    if src.dtype != torch.float32 or src.dim() != 1 or not src.is_contiguous():
+        raise ValueError(
+            f"{codec.name} encode needs a contiguous 1-D float32 tensor, "
+            f"got dtype {src.dtype} shape {tuple(src.shape)} contiguous={src.is_contiguous()}"
+        )
+
+
+def _check_out(codec: Codec, out: torch.Tensor) -> None:
+    if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(
+            f"{codec.name} decode needs a contiguous 1-D float32 output tensor, "
+            f"got dtype {out.dtype} shape {tuple(out.shape)} contiguous={out.is_contiguous()}"
+        )
+
+
+def _as_bytes(codec: Codec, buf: memoryview, expected: int) -> memoryview:
+    try:
+        raw = memoryview(buf).cast("B")
+    except TypeError as e:
+        raise ValueError(f"{codec.name} buffer must be C-contiguous: {e}") from None
+    if raw.nbytes != expected:
+        raise ValueError(f"{codec.name} buffer size mismatch: expected {expected} bytes, got {raw.nbytes}")
+    return raw
+
+
+def _writable_bytes(codec: Codec, out: memoryview, expected: int) -> memoryview:
+    raw = _as_bytes(codec, out, expected)
+    if raw.readonly:
+        raise ValueError(f"{codec.name} encode needs a writable output buffer")
+    return raw
+
+
+def _copy_chunked(dst: torch.Tensor, src: torch.Tensor, chunk: int) -> None:
+    if src.device == dst.device:
+        dst.copy_(src)
+        return
+    # A device source converts on the device before the transfer; chunking bounds that copy.
+    for start in range(0, src.numel(), chunk):
+        dst[start : start + chunk].copy_(src[start : start + chunk])
+
+
+def _upload_chunked(out: torch.Tensor, values: np.ndarray, wire_dtype: torch.dtype) -> None:
+    """Fill a non-CPU ``out`` from a (possibly read-only) host array through a small staging tensor."""
+    itemsize = values.dtype.itemsize
+    chunk = _CHUNK_BYTES // itemsize
+    staging = torch.empty(min(chunk, values.size), dtype=wire_dtype)
+    # bfloat16 has no numpy dtype; fill its bits through a same-width integer view.
+    staging_np = staging.view(torch.int16).numpy().view(np.uint16) if itemsize == 2 else staging.numpy()
+    for start in range(0, values.size, chunk):
+        n = min(chunk, values.size - start)
+        np.copyto(staging_np[:n], values[start : start + n])
+        out[start : start + n].copy_(staging[:n])
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without a copy (the view keeps it alive)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":
+        raise ValueError("tensor_bytes needs a CPU tensor")
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]

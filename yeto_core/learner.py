@@ -1,0 +1,302 @@
+"""The framework-free DiLoCo learner (SPEC §2.2–2.4, §2.8–2.9).
+
+A trainer plugin hands `LearnerSession` its live trainable tensors and calls `step(tokens)` once
+per optimizer step. The session never blocks a step on the network:
+
+* **Anchors.** For every fragment the session keeps the f32 global value it last installed
+  (the anchor) and that value's version. A push carries d = θ − anchor, never θ itself, plus
+  the tokens and steps trained since the anchor (the syncer weights learners by tokens²/steps).
+* **Schedule.** The syncer PULLs fragments round by round; the session answers at its
+  boundaries, one every max(1, H // P) steps (streaming DiLoCo), gathering one fragment per
+  boundary. A pull waits while a push is still streaming or while the fragment's anchor is
+  older than the version the pull names (its BCAST has not been installed yet).
+* **Background sender.** The delta is computed on the training thread (one memory pass); the
+  client's sender thread encodes and streams it.
+* **Installing.** A BCAST is blended, θ ← α·θ_local + (1−α)·Θ (`merge_alpha`), into the
+  parameter in place (optimizer moments untouched); the anchor becomes Θ. The very first cut
+  overwrites, so every learner starts from learner 0's initial weights.
+* **Finalization.** When all P FINAL cuts are in, they are installed exactly (no blending) and
+  `step` returns True: training ends at that step, and every learner holds the syncer's bits.
+  A learner that reaches its own step limit first sends DONE and waits (with a deadline) for
+  the final cut in `finish`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from yeto_core.client import Connected, Lost, PushJob, Received, SyncerClient
+from yeto_core.codecs import codec_by_name
+from yeto_core.layout import Layout, TensorSpec, build_layout, specs_from_named_tensors
+from yeto_core.settings import LearnerSettings
+from yeto_core.wire.errors import ErrorCode, Refused
+from yeto_core.wire.messages import Bcast, Bye, Final, Pull
+
+log = logging.getLogger("yeto.learner")
+
+
+@dataclass
+class FragmentState:
+    anchor: torch.Tensor | None = None
+    version: int = -1  # -1: nothing installed yet
+    tokens_mark: int = 0  # learner-wide token / step counters when the anchor was installed
+    steps_mark: int = 0
+
+
+@dataclass
+class LearnerStats:
+    steps: int = 0
+    tokens: int = 0
+    pushes: int = 0
+    push_failures: int = 0
+    installs: int = 0
+    final_installed: bool = False
+    connected_generations: list[int] = field(default_factory=list)
+
+
+class LearnerSession:
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        *,
+        embedding_names: Collection[str] = (),
+    ) -> None:
+        self.settings = settings
+        self.params: dict[str, torch.Tensor] = dict(named_params)
+        self.specs: list[TensorSpec] = specs_from_named_tensors(named_params, embedding_names)
+        self.codec = codec_by_name(settings.wire_dtype)
+        self.layout: Layout | None = None
+        self.fragments: list[FragmentState] = []
+        self.stats = LearnerStats()
+        self._layout_lock = threading.Lock()
+        self._init_cache: list[torch.Tensor] | None = None
+        self._pulls: dict[int, Pull] = {}
+        self._bcasts: dict[int, tuple[Bcast, torch.Tensor]] = {}
+        self._finals: dict[int, tuple[Final, torch.Tensor]] = {}
+        self._push: PushJob | None = None
+        self._done_sent_generation: int | None = None
+        self._generation: int | None = None
+        self.client = SyncerClient(
+            address=settings.address,
+            key=settings.read_key(),
+            learner_id=settings.learner_id,
+            layout_for=self._layout_for,
+            codec=self.codec,
+            data_streams=settings.data_streams,
+            connect_timeout_s=settings.connect_timeout_s,
+            heartbeat_s=settings.heartbeat_s,
+            peer_timeout_s=settings.peer_timeout_s,
+            reconnect_max_s=settings.reconnect_max_s,
+            init_values=self._initial_values if settings.learner_id == 0 else None,
+            step=lambda: self.stats.steps,
+        )
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _layout_for(self, num_fragments: int, pattern: str) -> Layout:
+        """Called by the client on every CHALLENGE: the layout to fingerprint in HELLO."""
+        expected = self.settings.fragments
+        if expected is not None and expected != num_fragments:
+            raise Refused(ErrorCode.LAYOUT, f"the syncer splits the model into {num_fragments} fragments but "
+                          f"YETO_DILOCO_FRAGMENTS={expected}")
+        with self._layout_lock:
+            if self.layout is None:
+                try:
+                    self.layout = build_layout(self.specs, num_fragments, pattern)
+                except ValueError as exc:
+                    raise Refused(ErrorCode.LAYOUT, str(exc)) from exc
+                self.fragments = [FragmentState() for _ in range(num_fragments)]
+            elif (self.layout.num_fragments, self.layout.pattern) != (num_fragments, pattern):
+                raise Refused(ErrorCode.LAYOUT, f"the syncer now asks for {num_fragments} {pattern} fragments; "
+                              f"this learner joined with {self.layout.num_fragments} {self.layout.pattern}")
+            return self.layout
+
+    def _initial_values(self) -> list[torch.Tensor] | None:
+        """Learner 0's INIT payload: a snapshot taken once, kept until the initial cut arrives."""
+        if self.client.initial_cut_received.is_set():
+            self._init_cache = None
+            return None
+        if self._init_cache is None:
+            assert self.layout is not None
+            self._init_cache = [self._gather(i) for i in range(self.layout.num_fragments)]
+        return self._init_cache
+
+    def start(self) -> None:
+        """Connect, and wait (at most `init_timeout_s`) for the initial cut before training."""
+        self.client.start()
+        deadline = time.monotonic() + self.settings.init_timeout_s
+        while not self._all_installed():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("learner %d: no initial cut after %.0f s; training locally until it arrives",
+                            self.settings.learner_id, self.settings.init_timeout_s)
+                return
+            if self.client.refused is not None:
+                return
+            self._drain(timeout=min(left, 0.5))
+            self._install_bcasts()
+        self._init_cache = None
+        log.info("learner %d: initial cut installed (%d fragments)", self.settings.learner_id,
+                 len(self.fragments))
+
+    def _all_installed(self) -> bool:
+        return bool(self.fragments) and all(f.version >= 0 for f in self.fragments)
+
+    @property
+    def boundary_every(self) -> int:
+        num = self.layout.num_fragments if self.layout else 1
+        return max(1, self.settings.sync_interval // num)
+
+    # -- the per-step entry point ------------------------------------------------------------
+    def step(self, tokens: int) -> bool:
+        """Account one optimizer step of `tokens` trained tokens; True means: stop training now."""
+        self.stats.steps += 1
+        self.stats.tokens += int(tokens)
+        self._drain(timeout=0.0)
+        if self._final_ready():
+            self._install_final()
+            return True
+        self._install_bcasts()
+        if self.stats.steps % self.boundary_every == 0:
+            self._boundary()
+        return False
+
+    def finish(self) -> bool:
+        """Local training ended: ask for the final cut and install it (deadline `final_timeout_s`)."""
+        if self.stats.final_installed:
+            return True
+        if self.client.refused is not None or self.layout is None:
+            return False
+        deadline = time.monotonic() + self.settings.final_timeout_s
+        while time.monotonic() < deadline:
+            if self.client.refused is not None:
+                return False
+            needs_done = self._generation is not None and self._done_sent_generation != self._generation
+            if needs_done and self.client.send_done(self.stats.steps):
+                self._done_sent_generation = self._generation
+            self._drain(timeout=0.5)
+            if self._final_ready():
+                self._install_final()
+                return True
+        log.warning("learner %d: the final cut did not arrive within %.0f s; keeping local weights",
+                    self.settings.learner_id, self.settings.final_timeout_s)
+        return False
+
+    def close(self) -> None:
+        reason = "final cut installed" if self.stats.final_installed else "learner stopped"
+        self.client.close(reason)
+
+    # -- inbox -------------------------------------------------------------------------------
+    def _drain(self, timeout: float) -> None:
+        block = timeout > 0
+        while True:
+            try:
+                item = self.client.inbox.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(item, Connected):
+                self._generation = item.generation
+                self.stats.connected_generations.append(item.generation)
+            elif isinstance(item, Lost):
+                self._generation = None
+                self._pulls.clear()  # the syncer re-pulls under new attempts after a reconnect
+            elif isinstance(item, Received):
+                self._accept(item)
+
+    def _accept(self, item: Received) -> None:
+        msg = item.msg
+        if isinstance(msg, Pull):
+            current = self._pulls.get(msg.fragment)
+            if current is None or (msg.round, msg.attempt) > (current.round, current.attempt):
+                self._pulls[msg.fragment] = msg
+        elif isinstance(msg, Bcast):
+            assert item.values is not None
+            held = self._bcasts.get(msg.fragment)
+            if held is None or msg.version >= held[0].version:
+                self._bcasts[msg.fragment] = (msg, item.values)
+        elif isinstance(msg, Final):
+            assert item.values is not None
+            self._finals[msg.fragment] = (msg, item.values)
+        elif isinstance(msg, Bye):
+            log.info("learner %d: syncer said goodbye (%s)", self.settings.learner_id, msg.reason)
+
+    # -- installing --------------------------------------------------------------------------
+    def _install_bcasts(self) -> None:
+        for index, (msg, values) in sorted(self._bcasts.items()):
+            state = self.fragments[index]
+            if msg.version != state.version:
+                first = state.version < 0
+                self._install(index, values, alpha=0.0 if first else self.settings.merge_alpha)
+                state.version = msg.version
+                self.stats.installs += 1
+        self._bcasts.clear()
+
+    def _install(self, index: int, values: torch.Tensor, *, alpha: float) -> None:
+        assert self.layout is not None
+        with torch.no_grad():
+            for slot in self.layout.fragments[index].slots:
+                param = self.params[slot.name]
+                glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if alpha == 0.0:
+                    param.copy_(glob)
+                elif param.dtype == torch.float32:
+                    param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
+                else:  # blend in f32, then round once into the lower-precision parameter
+                    param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
+        state = self.fragments[index]
+        state.anchor = values
+        state.tokens_mark = self.stats.tokens
+        state.steps_mark = self.stats.steps
+
+    def _final_ready(self) -> bool:
+        return bool(self.fragments) and len(self._finals) == len(self.fragments)
+
+    def _install_final(self) -> None:
+        for index, (msg, values) in sorted(self._finals.items()):
+            self._install(index, values, alpha=0.0)
+            self.fragments[index].version = msg.version
+        self.stats.final_installed = True
+        rounds = next(iter(self._finals.values()))[0].rounds
+        log.info("learner %d: final cut installed after %d rounds at step %d", self.settings.learner_id, rounds,
+                 self.stats.steps)
+
+    # -- pushing -----------------------------------------------------------------------------
+    def _gather(self, index: int) -> torch.Tensor:
+        assert self.layout is not None
+        slots = self.layout.fragments[index].slots
+        with torch.no_grad():
+            return torch.cat([self.params[s.name].detach().reshape(-1).float() for s in slots])
+
+    def _boundary(self) -> None:
+        if self._push is not None:
+            if not self._push.done.is_set():
+                return  # one push in flight at a time; pulls stay pending
+            if self._push.error:
+                self.stats.push_failures += 1
+                log.info("learner %d: push of fragment %d failed (%s)", self.settings.learner_id,
+                         self._push.pull.fragment, self._push.error)
+            else:
+                self.stats.pushes += 1
+            self._push = None
+        for pull in sorted(self._pulls.values(), key=lambda p: (p.round, p.attempt)):
+            state = self.fragments[pull.fragment]
+            if state.version > pull.version:
+                del self._pulls[pull.fragment]  # that round was already committed without us
+                continue
+            steps = self.stats.steps - state.steps_mark
+            if state.version < pull.version or steps == 0 or state.anchor is None:
+                continue  # its BCAST is not installed yet, or nothing trained since
+            delta = self._gather(pull.fragment).sub_(state.anchor)
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, delta)
+            del self._pulls[pull.fragment]
+            self._push = job
+            self.client.submit(job)
+            return

@@ -1,0 +1,147 @@
+"""Settings, read once at the edge (plugin constructor, syncer `main()`) and passed down typed.
+
+Learner settings come from `YETO_DILOCO_*`, syncer settings from `YETO_SYNCER_*`. Explicit
+arguments (keyword arguments, command-line flags) always win over the environment. A bad value
+fails at start-up with one message that names the variable and what it accepts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIN_KEY_BYTES = 16
+
+
+class SettingsError(ValueError):
+    """A setting has a value yeto cannot use; the message names the setting."""
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """`HOST:PORT` → (host, port); IPv6 hosts may be bracketed (`[::1]:7000`)."""
+    host, sep, port = value.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str) -> bytes:
+    """The shared HMAC key from KEY or KEY_FILE (exactly one), at least 16 bytes."""
+    if (key is None) == (key_file is None):
+        raise SettingsError(f"set exactly one of {prefix}KEY or {prefix}KEY_FILE (the shared HMAC key)")
+    if key_file is not None:
+        try:
+            raw = key_file.read_bytes().strip()
+        except OSError as exc:
+            raise SettingsError(f"{prefix}KEY_FILE={key_file}: cannot read the key file ({exc.strerror})") from exc
+        where = f"{prefix}KEY_FILE={key_file}"
+    else:
+        assert key is not None
+        raw = key.get_secret_value().encode()
+        where = f"{prefix}KEY"
+    if len(raw) < MIN_KEY_BYTES:
+        raise SettingsError(f"{where}: the key must be at least {MIN_KEY_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+class LearnerSettings(BaseSettings):
+    """One island's DiLoCo learner (`YETO_DILOCO_*`)."""
+
+    model_config = SettingsConfigDict(env_prefix="YETO_DILOCO_", extra="forbid", frozen=True)
+
+    syncer: str = Field(description="syncer address, HOST:PORT")
+    key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
+    key_file: Path | None = Field(default=None, description="file holding the shared HMAC key")
+    learner_id: int = Field(default=0, ge=0, lt=2**32, description="this island's id; learner 0 sends INIT")
+    sync_interval: int = Field(default=24, ge=1, description="H: inner steps per fragment round trip")
+    merge_alpha: float = Field(default=0.5, ge=0.0, le=1.0, description="θ ← α·θ_local + (1−α)·Θ_global")
+    wire_dtype: Literal["f32", "bf16"] = Field(default="f32", description="dtype of pushed deltas")
+    data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
+    connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline of one dial + handshake")
+    init_timeout_s: float = Field(default=600.0, ge=0, description="wait for the initial cut at start")
+    final_timeout_s: float = Field(default=300.0, ge=0, description="wait for the final cut at the end")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="heartbeat period on the control stream")
+    peer_timeout_s: float = Field(default=30.0, gt=0, description="silence after which a link is dead")
+    reconnect_max_s: float = Field(default=30.0, gt=0, description="cap of the redial backoff")
+    fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
+
+    @field_validator("syncer")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        parse_address(v)
+        return v
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_address(self.syncer)
+
+    def read_key(self) -> bytes:
+        return read_key(self.key, self.key_file, prefix="YETO_DILOCO_")
+
+
+class SyncerSettings(BaseSettings):
+    """The syncer service (`YETO_SYNCER_*`; command-line flags win)."""
+
+    model_config = SettingsConfigDict(env_prefix="YETO_SYNCER_", extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=7070, ge=0, lt=65536)
+    learners: int = Field(default=2, ge=1, description="M: expected number of learners")
+    quorum: int = Field(default=0, ge=0, description="K: answers that close a round (0 = all M)")
+    fragments: int = Field(default=4, ge=1, description="P: fragments the model is split into")
+    pattern: Literal["binpack", "strided"] = "binpack"
+    total_rounds: int = Field(default=0, ge=0, description="fragment rounds before finalization (0 = none)")
+    checkpoint: Path | None = None
+    checkpoint_every: int = Field(default=1, ge=1, description="checkpoint after every N committed rounds")
+    resume: bool = False
+    tape: Path | None = None
+    key: SecretStr | None = None
+    key_file: Path | None = None
+    device: str = Field(default="auto", description="merge device: auto | cpu | cuda | cuda:N")
+    outer_lr: float = Field(default=0.7, gt=0)
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    round_timeout_s: float = Field(default=120.0, gt=0, description="a round below quorum retries after this")
+    init_timeout_s: float = Field(default=600.0, gt=0, description="give up when no INIT arrives by then")
+    final_timeout_s: float = Field(default=60.0, gt=0, description="wait for learners to take the final cut")
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    peer_timeout_s: float = Field(default=30.0, gt=0)
+    handshake_timeout_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _quorum_fits(self) -> SyncerSettings:
+        if self.quorum > self.learners:
+            raise ValueError(f"quorum {self.quorum} exceeds learners {self.learners}")
+        return self
+
+    @property
+    def effective_quorum(self) -> int:
+        return self.quorum or self.learners
+
+    def read_key(self) -> bytes:
+        return read_key(self.key, self.key_file, prefix="YETO_SYNCER_")
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load_settings(cls: type[S], **explicit: Any) -> S:
+    """Build settings (explicit values win over the environment); one clear error on bad input."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    try:
+        return cls(**{k: v for k, v in explicit.items() if v is not None})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            source = "argument" if field in explicit else "variable"
+            name = field if field in explicit else f"{prefix}{field.upper()}"
+            given = err.get("input")
+            shown = "" if isinstance(given, dict) or given is None else f"={given!r}"
+            if err["type"] == "missing":
+                lines.append(f"{name} is required (set the {source} {name})")
+            else:
+                lines.append(f"{name}{shown}: {err['msg']}")
+        raise SettingsError("; ".join(lines)) from None

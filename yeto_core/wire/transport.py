@@ -1,0 +1,413 @@
+"""Sockets, and nothing else: framed streams and connection groups (SPEC §4.1).
+
+A *connection group* is one control stream (stream 0) plus N data streams. Control frames are
+small and ordered. A bulk message goes out as one control frame that announces a transfer id
+and a byte count, followed by CHUNK frames of at most 4 MiB striped round-robin over the data
+streams, each sent by that stream's own sender thread so the streams really run in parallel.
+The receiver reads every chunk with `recv_into` straight into one buffer allocated once per
+transfer (bounded by `max_payload` before allocation) and delivers the message when the
+announcement and every byte have arrived, in whichever order they came.
+
+Both sides send HEARTBEAT on the control stream; a group that hears nothing for
+`peer_timeout_s` closes itself. Every failure closes the whole group once, with a reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from yeto_core.wire.errors import ConnectionClosed, ProtocolError
+from yeto_core.wire.messages import (
+    CHUNK_BYTES,
+    CHUNK_HEADER,
+    HEADER,
+    MAGIC,
+    MAX_CONTROL_BODY,
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Message,
+    MsgType,
+    decode_body,
+    encode_frame,
+    parse_header,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_TRANSFERS_IN_FLIGHT = 256
+SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
+
+
+def tune_socket(sock: socket.socket, *, bulk: bool) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if bulk:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
+
+class Stream:
+    """One TCP socket with framed sends (under a lock) and exact, resumable reads."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self.sock = sock
+        self.name = name
+        self._send_lock = threading.Lock()
+        self._closed = False
+
+    def send_frame(self, msg: Message) -> None:
+        data = encode_frame(msg)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    def send_chunk(self, transfer: int, total: int, offset: int, view: memoryview) -> None:
+        head = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(MsgType.CHUNK), 0, CHUNK_HEADER.size + len(view))
+        head += CHUNK_HEADER.pack(transfer, total, offset)
+        with self._send_lock:
+            self.sock.sendall(head)
+            self.sock.sendall(view)
+
+    def read_into(self, view: memoryview, *, idle: Callable[[], None] | None = None) -> None:
+        """Fill `view` exactly. On a socket timeout call `idle()` (which may raise) and go on."""
+        got = 0
+        n = len(view)
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:], n - got)
+            except TimeoutError:
+                if idle is None:
+                    raise
+                idle()
+                continue
+            except OSError as exc:
+                raise ConnectionClosed(f"{self.name}: {exc}") from exc
+            if k == 0:
+                raise ConnectionClosed(f"{self.name}: peer closed the connection")
+            got += k
+
+    def read_exact(self, n: int, *, idle: Callable[[], None] | None = None) -> bytearray:
+        buf = bytearray(n)
+        self.read_into(memoryview(buf), idle=idle)
+        return buf
+
+    def read_frame(
+        self, *, max_body: int = MAX_CONTROL_BODY, idle: Callable[[], None] | None = None
+    ) -> tuple[MsgType, bytearray]:
+        kind, length = parse_header(memoryview(self.read_exact(HEADER.size, idle=idle)), max_body)
+        return kind, self.read_exact(length, idle=idle)
+
+    def read_message(self, *, max_body: int = MAX_CONTROL_BODY, idle: Callable[[], None] | None = None) -> Message:
+        kind, body = self.read_frame(max_body=max_body, idle=idle)
+        return decode_body(kind, memoryview(body))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class SendTicket:
+    """Completion of one outgoing bulk transfer (all its chunks handed to the kernel)."""
+
+    def __init__(self, chunks: int) -> None:
+        self._left = chunks
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self.error: str | None = None
+        if chunks == 0:
+            self.done.set()
+
+    def chunk_sent(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
+
+    def fail(self, reason: str) -> None:
+        if not self.done.is_set():
+            self.error = reason
+            self.done.set()
+
+    @property
+    def ok(self) -> bool:
+        return self.done.is_set() and self.error is None
+
+    def wait(self, timeout: float) -> bool:
+        return self.done.wait(timeout) and self.error is None
+
+
+@dataclasses.dataclass
+class _Incoming:
+    buffer: bytearray
+    received: int = 0
+    msg: Message | None = None
+
+
+class Reassembler:
+    """Collects announced bulk transfers and their chunks into one buffer each."""
+
+    def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview], None],
+                 peer: str) -> None:
+        self.max_payload = max_payload  # evaluated per transfer: the bound can tighten once a layout is known
+        self._deliver = deliver
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._transfers: dict[int, _Incoming] = {}
+
+    def _get(self, transfer: int, total: int) -> _Incoming:
+        inc = self._transfers.get(transfer)
+        if inc is None:
+            bound = self.max_payload()
+            if total > bound:
+                raise ProtocolError(f"{self._peer}: transfer of {total} bytes exceeds the {bound}-byte bound")
+            if len(self._transfers) >= MAX_TRANSFERS_IN_FLIGHT:
+                raise ProtocolError(f"{self._peer}: more than {MAX_TRANSFERS_IN_FLIGHT} transfers in flight")
+            inc = _Incoming(bytearray(total))
+            self._transfers[transfer] = inc
+        elif len(inc.buffer) != total:
+            announced = len(inc.buffer)
+            raise ProtocolError(f"{self._peer}: transfer {transfer} announced {announced} bytes, chunk says {total}")
+        return inc
+
+    def _complete(self, transfer: int, inc: _Incoming) -> tuple[Message, memoryview] | None:
+        if inc.msg is not None and inc.received == len(inc.buffer):
+            del self._transfers[transfer]
+            return inc.msg, memoryview(inc.buffer)
+        return None
+
+    def announce(self, msg: Message) -> None:
+        transfer, nbytes = msg.transfer, msg.nbytes  # type: ignore[attr-defined]
+        with self._lock:
+            inc = self._get(transfer, nbytes)
+            if inc.msg is not None:
+                raise ProtocolError(f"{self._peer}: transfer {transfer} announced twice")
+            inc.msg = msg
+            done = self._complete(transfer, inc)
+        if done:
+            self._deliver(*done)
+
+    def chunk_target(self, transfer: int, total: int, offset: int, n: int) -> memoryview:
+        if n > CHUNK_BYTES or offset + n > total:
+            raise ProtocolError(f"{self._peer}: chunk [{offset}, {offset + n}) outside transfer of {total} bytes")
+        with self._lock:
+            inc = self._get(transfer, total)
+            return memoryview(inc.buffer)[offset : offset + n]
+
+    def chunk_done(self, transfer: int, n: int) -> None:
+        with self._lock:
+            inc = self._transfers.get(transfer)
+            if inc is None:
+                raise ProtocolError(f"{self._peer}: chunk for unknown transfer {transfer}")
+            inc.received += n
+            if inc.received > len(inc.buffer):
+                raise ProtocolError(f"{self._peer}: transfer {transfer} received more bytes than announced")
+            done = self._complete(transfer, inc)
+        if done:
+            self._deliver(*done)
+
+
+class ConnectionGroup:
+    """A live, authenticated control stream plus data streams, with reader and sender threads.
+
+    `on_message(msg, payload)` is called from reader threads (payload is None for control-only
+    messages); `on_close(reason)` is called exactly once.
+    """
+
+    def __init__(
+        self,
+        control: Stream,
+        data: list[Stream],
+        *,
+        name: str,
+        on_message: Callable[[Message, memoryview | None], None],
+        on_close: Callable[[str], None],
+        max_payload: Callable[[], int],
+        heartbeat_s: float = 2.0,
+        peer_timeout_s: float = 30.0,
+        heartbeat_step: Callable[[], int] = lambda: 0,
+    ) -> None:
+        if not data:
+            raise ValueError("a connection group needs at least one data stream")
+        self.name = name
+        self.control = control
+        self.data = data
+        self._on_message = on_message
+        self._on_close = on_close
+        self._reassembler = Reassembler(max_payload, self._deliver_bulk, name)
+        self._heartbeat_s = heartbeat_s
+        self._peer_timeout_s = peer_timeout_s
+        self._heartbeat_step = heartbeat_step
+        self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in data]
+        self._next_transfer = 1
+        self._next_stream = 0
+        self._id_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._close_lock = threading.Lock()
+        self._tickets: set[SendTicket] = set()
+        self._last_heard = time.monotonic()
+        self._last_sent = 0.0
+        self._hb_seq = 0
+        self.close_reason: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.control.sock.settimeout(max(0.05, self._heartbeat_s / 2))
+        targets: list[tuple[Callable[..., None], tuple[Any, ...], str]] = [(self._control_loop, (), "ctl")]
+        for i, stream in enumerate(self.data):
+            stream.sock.settimeout(None)
+            targets.append((self._data_loop, (stream,), f"rx{i}"))
+            targets.append((self._sender_loop, (stream, self._queues[i]), f"tx{i}"))
+        for fn, args, tag in targets:
+            t = threading.Thread(target=fn, args=args, name=f"{self.name}-{tag}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def wait_closed(self, timeout: float) -> bool:
+        return self._closed.wait(timeout)
+
+    def close(self, reason: str) -> None:
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self.close_reason = reason
+            self._closed.set()
+        for stream in [self.control, *self.data]:
+            stream.close()
+        for q in self._queues:
+            q.put(None)
+        with self._id_lock:
+            tickets, self._tickets = self._tickets, set()
+        for ticket in tickets:
+            ticket.fail(reason)
+        try:
+            self._on_close(reason)
+        except Exception:
+            log.exception("%s: close handler failed", self.name)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, msg: Message, payload: bytes | bytearray | memoryview | None = None) -> SendTicket:
+        """Send a control message, or a bulk message with its payload (striped over data streams).
+
+        Never blocks on the bulk bytes: they are queued to the data streams' sender threads and
+        the returned ticket completes when every chunk went out (or fails if the group closes).
+        """
+        if self._closed.is_set():
+            ticket = SendTicket(1)
+            ticket.fail(self.close_reason or "connection closed")
+            return ticket
+        if not msg.BULK:
+            if payload is not None:
+                raise ValueError(f"{msg.TYPE.name} carries no bulk payload")
+            self._send_control(msg)
+            return SendTicket(0)
+        if payload is None:
+            raise ValueError(f"{msg.TYPE.name} needs a bulk payload")
+        view = memoryview(payload).cast("B")
+        total = len(view)
+        with self._id_lock:
+            transfer = self._next_transfer
+            self._next_transfer += 1
+            chunks = (total + CHUNK_BYTES - 1) // CHUNK_BYTES
+            ticket = SendTicket(chunks)
+            if chunks:
+                self._tickets.add(ticket)
+            first = self._next_stream
+            self._next_stream = (self._next_stream + chunks) % len(self.data)
+        self._send_control(dataclasses.replace(msg, transfer=transfer, nbytes=total))  # type: ignore[type-var]
+        for i, offset in enumerate(range(0, total, CHUNK_BYTES)):
+            q = self._queues[(first + i) % len(self.data)]
+            q.put((ticket, transfer, total, offset, view[offset : offset + CHUNK_BYTES]))
+        return ticket
+
+    def _send_control(self, msg: Message) -> None:
+        try:
+            self.control.send_frame(msg)
+            self._last_sent = time.monotonic()
+        except OSError as exc:
+            self.close(f"send failed on control stream: {exc}")
+
+    def _sender_loop(self, stream: Stream, q: queue.SimpleQueue[Any]) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            ticket, transfer, total, offset, view = item
+            try:
+                stream.send_chunk(transfer, total, offset, view)
+            except OSError as exc:
+                self.close(f"send failed on {stream.name}: {exc}")
+                return
+            ticket.chunk_sent()
+            if ticket.done.is_set():
+                with self._id_lock:
+                    self._tickets.discard(ticket)
+
+    # -- receiving -------------------------------------------------------------------------
+    def _idle(self) -> None:
+        if self._closed.is_set():
+            raise ConnectionClosed("closed locally")
+        now = time.monotonic()
+        if now - self._last_heard > self._peer_timeout_s:
+            raise ConnectionClosed(f"no frame from the peer for {self._peer_timeout_s:.0f} s")
+        if now - self._last_sent >= self._heartbeat_s:
+            self._hb_seq += 1
+            self._send_control(Heartbeat(self._hb_seq, self._heartbeat_step()))
+
+    def _control_loop(self) -> None:
+        try:
+            while not self._closed.is_set():
+                msg = self.control.read_message(idle=self._idle)
+                self._last_heard = time.monotonic()
+                self._idle()
+                if isinstance(msg, Heartbeat):
+                    continue
+                if msg.BULK:
+                    self._reassembler.announce(msg)
+                else:
+                    self._on_message(msg, None)
+        except (ConnectionClosed, ProtocolError, OSError) as exc:
+            self.close(str(exc))
+        except Exception as exc:  # a handler bug must still close the group, never hang it
+            log.exception("%s: control loop failed", self.name)
+            self.close(f"internal error: {exc}")
+
+    def _data_loop(self, stream: Stream) -> None:
+        head = bytearray(HEADER.size + CHUNK_HEADER.size)
+        view = memoryview(head)
+        try:
+            while not self._closed.is_set():
+                stream.read_into(view[: HEADER.size])
+                kind, length = parse_header(view[: HEADER.size])
+                if kind is not MsgType.CHUNK or length < CHUNK_HEADER.size:
+                    raise ProtocolError(f"{stream.name}: expected a CHUNK frame, got {kind.name}")
+                stream.read_into(view[HEADER.size :])
+                transfer, total, offset = CHUNK_HEADER.unpack(view[HEADER.size :])
+                n = length - CHUNK_HEADER.size
+                stream.read_into(self._reassembler.chunk_target(transfer, total, offset, n))
+                self._last_heard = time.monotonic()
+                self._reassembler.chunk_done(transfer, n)
+        except (ConnectionClosed, ProtocolError, OSError) as exc:
+            self.close(str(exc))
+        except Exception as exc:
+            log.exception("%s: data loop failed", self.name)
+            self.close(f"internal error: {exc}")
+
+    def _deliver_bulk(self, msg: Message, payload: memoryview) -> None:
+        self._on_message(msg, payload)
