@@ -104,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     callbacks: list[TrainerCallback] = [JsonProgress()]
     yeto = None
     if not args.no_sync:
+        from yeto_core.settings import SettingsError
         from yeto_plugins.hf import YetoDiLoCo
 
-        yeto = YetoDiLoCo()
+        try:
+            yeto = YetoDiLoCo()
+        except SettingsError as exc:
+            print(f"hf_tiny_llama: {exc}", file=sys.stderr)
+            return 2
         callbacks.insert(0, yeto)
     targs = TrainingArguments(
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     explicit = {k: v for k, v in vars(args).items() if k != "log_level"}
     try:
-        settings = load_settings(SyncerSettings, **explicit)
+        settings = load_settings(SyncerSettings, flags=True, **explicit)
         key = settings.read_key()
         device = resolve_device(settings.device)
         state = load_state(settings, device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from yeto_core.wire.transport import ConnectionGroup
 log = logging.getLogger("yeto.syncer")
 
 BACKEND_ID = "rda-nesterov-v1"
+PROGRESS_BAR_BYTES = 256 << 20
 
 
 class Phase(enum.Enum):
@@ -456,5 +458,7 @@ class Coordinator:
         if path is None or self.state is None:
             return None
         t0 = time.perf_counter()
-        save_checkpoint(path, self.state, progress=True)
+        # A bar only where someone watches, or where the write takes long enough to wonder about.
+        big = sum(t.numel() for t in self.state.params) * 8 > PROGRESS_BAR_BYTES
+        save_checkpoint(path, self.state, progress=big or sys.stderr.isatty())
         return (time.perf_counter() - t0) * 1000

@@ -207,9 +207,9 @@ class SyncerClient:
             layout = self._layout_for(challenge.num_fragments, challenge.pattern)
             self.layout = layout
             client_nonce = auth.new_nonce()
-            # Learner 0 describes the model (MANIFEST, right after WELCOME) until the initial cut exists,
-            # so the syncer can build the layout and bound every transfer before any bulk byte arrives.
-            sends_manifest = self._init_values is not None and not self.initial_cut_received.is_set()
+            # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
+            # syncer without state can build the layout and bound every transfer before any bulk byte.
+            sends_manifest = self._init_values is not None
             flags = HELLO_SENDS_MANIFEST if sends_manifest else 0
             hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
                           flags, client_nonce)

@@ -119,12 +119,18 @@ class LearnerSession:
             return self.layout
 
     def _initial_values(self) -> list[torch.Tensor] | None:
-        """Learner 0's INIT payload: a snapshot taken once, kept until the initial cut arrives."""
+        """Learner 0's INIT payload, asked for whenever a syncer has no state yet.
+
+        Before the first cut it is one snapshot of the initial weights, replayed on every new
+        connection. A syncer that lost its state later (restarted without --resume) is seeded
+        again from learner 0's current weights, so the run goes on instead of waiting forever.
+        """
+        assert self.layout is not None
         if self.client.initial_cut_received.is_set():
             self._init_cache = None
-            return None
+            log.warning("learner 0: the syncer has no model state; seeding it from this learner's current weights")
+            return [self._gather(i) for i in range(self.layout.num_fragments)]
         if self._init_cache is None:
-            assert self.layout is not None
             self._init_cache = [self._gather(i) for i in range(self.layout.num_fragments)]
         return self._init_cache
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIN_KEY_BYTES = 16
@@ -110,11 +110,13 @@ class SyncerSettings(BaseSettings):
     peer_timeout_s: float = Field(default=30.0, gt=0)
     handshake_timeout_s: float = Field(default=10.0, gt=0)
 
-    @model_validator(mode="after")
-    def _quorum_fits(self) -> SyncerSettings:
-        if self.quorum > self.learners:
-            raise ValueError(f"quorum {self.quorum} exceeds learners {self.learners}")
-        return self
+    @field_validator("quorum")
+    @classmethod
+    def _quorum_fits(cls, v: int, info: ValidationInfo) -> int:
+        learners = info.data.get("learners")
+        if learners is not None and v > learners:
+            raise ValueError(f"quorum {v} exceeds learners {learners}")
+        return v
 
     @property
     def effective_quorum(self) -> int:
@@ -127,21 +129,29 @@ class SyncerSettings(BaseSettings):
 S = TypeVar("S", bound=BaseSettings)
 
 
-def load_settings(cls: type[S], **explicit: Any) -> S:
-    """Build settings (explicit values win over the environment); one clear error on bad input."""
+def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:
+    """Build settings (explicit values win over the environment); one clear error on bad input.
+
+    An error names where the bad value came from: the environment variable, or the keyword
+    argument (the command-line flag when `flags` is true). None means "not given".
+    """
     prefix = str(cls.model_config.get("env_prefix", ""))
+    given = {k: v for k, v in explicit.items() if v is not None}
     try:
-        return cls(**{k: v for k, v in explicit.items() if v is not None})
+        return cls(**given)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"]) or "settings"
-            source = "argument" if field in explicit else "variable"
-            name = field if field in explicit else f"{prefix}{field.upper()}"
-            given = err.get("input")
-            shown = "" if isinstance(given, dict) or given is None else f"={given!r}"
-            if err["type"] == "missing":
-                lines.append(f"{name} is required (set the {source} {name})")
+            field = ".".join(str(p) for p in err["loc"])
+            if field in given:
+                name = f"--{field.replace('_', '-')}" if flags else f"argument {field}"
             else:
-                lines.append(f"{name}{shown}: {err['msg']}")
+                name = f"{prefix}{field.upper()}"
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) or value is None else f"={value!r}"
+            message = str(err["msg"]).removeprefix("Value error, ")
+            if err["type"] == "missing":
+                lines.append(f"{name} is required")
+            else:
+                lines.append(f"{name}{shown}: {message}")
         raise SettingsError("; ".join(lines)) from None

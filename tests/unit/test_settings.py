@@ -1,0 +1,85 @@
+"""Settings: explicit arguments beat the environment; a bad value names its variable."""
+
+from pathlib import Path
+
+import pytest
+
+from yeto_core.settings import LearnerSettings, SettingsError, SyncerSettings, load_settings, parse_address
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("YETO_"):
+            monkeypatch.delenv(name)
+
+
+def test_learner_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
+    monkeypatch.setenv("YETO_DILOCO_LEARNER_ID", "3")
+    monkeypatch.setenv("YETO_DILOCO_MERGE_ALPHA", "0.25")
+    s = load_settings(LearnerSettings)
+    assert s.address == ("127.0.0.1", 7000) and s.learner_id == 3 and s.merge_alpha == 0.25
+
+
+def test_explicit_arguments_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
+    monkeypatch.setenv("YETO_DILOCO_SYNC_INTERVAL", "48")
+    s = load_settings(LearnerSettings, syncer="10.1.2.3:9", sync_interval=12)
+    assert s.syncer == "10.1.2.3:9" and s.sync_interval == 12
+
+
+@pytest.mark.parametrize(("var", "value", "needle"), [
+    ("YETO_DILOCO_MERGE_ALPHA", "2", "YETO_DILOCO_MERGE_ALPHA='2'"),
+    ("YETO_DILOCO_WIRE_DTYPE", "fp8", "YETO_DILOCO_WIRE_DTYPE='fp8'"),
+    ("YETO_DILOCO_DATA_STREAMS", "0", "YETO_DILOCO_DATA_STREAMS='0'"),
+    ("YETO_DILOCO_SYNCER", "nohost", "YETO_DILOCO_SYNCER='nohost'"),
+])
+def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str) -> None:
+    monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError) as err:
+        load_settings(LearnerSettings)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_syncer_is_named() -> None:
+    with pytest.raises(SettingsError, match="YETO_DILOCO_SYNCER is required"):
+        load_settings(LearnerSettings)
+
+
+def test_key_sources(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("k" * 32 + "\n")
+    s = load_settings(LearnerSettings, syncer="h:1", key_file=key_file)
+    assert s.read_key() == b"k" * 32
+    with pytest.raises(SettingsError, match="exactly one of YETO_DILOCO_KEY or YETO_DILOCO_KEY_FILE"):
+        load_settings(LearnerSettings, syncer="h:1").read_key()
+    with pytest.raises(SettingsError, match="at least 16 bytes"):
+        load_settings(LearnerSettings, syncer="h:1", key="short").read_key()
+    with pytest.raises(SettingsError, match="cannot read the key file"):
+        load_settings(LearnerSettings, syncer="h:1", key_file=tmp_path / "missing").read_key()
+
+
+def test_syncer_quorum_cannot_exceed_learners(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_SYNCER_QUORUM", "5")
+    with pytest.raises(SettingsError, match="quorum 5 exceeds learners 2"):
+        load_settings(SyncerSettings, learners=2)
+    assert load_settings(SyncerSettings, learners=3, quorum=0).effective_quorum == 3
+
+
+@pytest.mark.parametrize(("text", "expected"), [("a:1", ("a", 1)), ("[::1]:7000", ("::1", 7000)),
+                                                 ("10.0.0.1:65535", ("10.0.0.1", 65535))])
+def test_parse_address(text: str, expected: tuple[str, int]) -> None:
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["a", "a:0", "a:70000", ":80", "a:b"])
+def test_parse_address_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_address(text)
