@@ -21,7 +21,15 @@ from typing import Any
 import torch
 
 from syncer.checkpoint import SyncerState, save_checkpoint
-from syncer.merge import Segment, check_finite, learner_weights, merge_deltas, nesterov_step, outer_gradient
+from syncer.merge import (
+    Segment,
+    accurate_norm,
+    check_finite,
+    learner_weights,
+    merge_deltas,
+    nesterov_step,
+    outer_gradient,
+)
 from syncer.rounds import (
     Answer,
     Attempt,
@@ -393,12 +401,13 @@ class Coordinator:
         for a in answers:
             key = str(a.learner_id)
             self.state.ledger[key] = self.state.ledger.get(key, 0) + a.tokens
-        grad_norm = float(torch.linalg.vector_norm(grad.double()))
+        grad_norm = accurate_norm(grad)
         record = {
             "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
             "version": self.state.versions[f], "learners": [a.learner_id for a in answers],
             "weights": [round(float(w), 6) for w in weights], "tokens": [a.tokens for a in answers],
-            "steps": [a.steps for a in answers], "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
+            "steps": [a.steps for a in answers], "delta_norms": [round(accurate_norm(a.delta), 6) for a in answers],
+            "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
             "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
         }
         ckpt_ms = None

@@ -299,7 +299,9 @@ class SyncerClient:
             values = torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
             self.initial_cut_received.set()
         elif isinstance(msg, Error):
-            log.warning("learner %d: syncer says %s: %s", self.learner_id, msg.code.name, msg.reason)
+            print(f"yeto learner {self.learner_id}: syncer reports {msg.code.name.lower()}: {msg.reason}",
+                  file=sys.stderr)
+            log.warning("learner %d: syncer reports %s: %s", self.learner_id, msg.code.name, msg.reason)
         elif not isinstance(msg, Pull | Bye):
             raise ProtocolError(f"unexpected {type(msg).__name__} from the syncer")
         self.inbox.put(Received(msg, values))

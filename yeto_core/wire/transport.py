@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from yeto_core.wire.errors import ConnectionClosed, ProtocolError
+from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
     CHUNK_HEADER,
@@ -32,6 +32,7 @@ from yeto_core.wire.messages import (
     MAGIC,
     MAX_CONTROL_BODY,
     PROTOCOL_VERSION,
+    Error,
     Heartbeat,
     Message,
     MsgType,
@@ -382,7 +383,9 @@ class ConnectionGroup:
                     self._reassembler.announce(msg)
                 else:
                     self._on_message(msg, None)
-        except (ConnectionClosed, ProtocolError, OSError) as exc:
+        except ProtocolError as exc:
+            self._refuse(str(exc))
+        except (ConnectionClosed, OSError) as exc:
             self.close(str(exc))
         except Exception as exc:  # a handler bug must still close the group, never hang it
             log.exception("%s: control loop failed", self.name)
@@ -403,11 +406,20 @@ class ConnectionGroup:
                 stream.read_into(self._reassembler.chunk_target(transfer, total, offset, n))
                 self._last_heard = time.monotonic()
                 self._reassembler.chunk_done(transfer, n)
-        except (ConnectionClosed, ProtocolError, OSError) as exc:
+        except ProtocolError as exc:
+            self._refuse(str(exc))
+        except (ConnectionClosed, OSError) as exc:
             self.close(str(exc))
         except Exception as exc:
             log.exception("%s: data loop failed", self.name)
             self.close(f"internal error: {exc}")
+
+    def _refuse(self, reason: str) -> None:
+        """The peer broke the protocol: tell it why (best effort), then close the group."""
+        if not self._closed.is_set():
+            with contextlib.suppress(OSError):
+                self.control.send_frame(Error(ErrorCode.PROTOCOL, reason))
+        self.close(f"protocol error: {reason}")
 
     def _deliver_bulk(self, msg: Message, payload: memoryview) -> None:
         self._on_message(msg, payload)
