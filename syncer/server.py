@@ -172,6 +172,11 @@ class SyncerServer:
             with contextlib.suppress(OSError):
                 stream.send_frame(Error(ErrorCode.PROTOCOL, f"handshake failed: {exc}"))
             stream.close()
+        except Exception as exc:  # a bug here must still answer the peer and free the socket
+            log.exception("handshake with %s failed", stream.name)
+            with contextlib.suppress(OSError):
+                stream.send_frame(Error(ErrorCode.PROTOCOL, f"syncer error during handshake: {exc}"))
+            stream.close()
 
     def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello) -> None:
         who = f"learner {hello.learner_id} ({stream.name})"

@@ -29,21 +29,24 @@ class BodyWriter:
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
-    def u8(self, v: int) -> BodyWriter:
-        self._parts.append(_U8.pack(v))
+    def _int(self, fmt: struct.Struct, v: int) -> BodyWriter:
+        try:
+            self._parts.append(fmt.pack(v))
+        except struct.error as exc:
+            raise ValueError(f"{v!r} does not fit a {fmt.size * 8}-bit unsigned field") from exc
         return self
+
+    def u8(self, v: int) -> BodyWriter:
+        return self._int(_U8, v)
 
     def u16(self, v: int) -> BodyWriter:
-        self._parts.append(_U16.pack(v))
-        return self
+        return self._int(_U16, v)
 
     def u32(self, v: int) -> BodyWriter:
-        self._parts.append(_U32.pack(v))
-        return self
+        return self._int(_U32, v)
 
     def u64(self, v: int) -> BodyWriter:
-        self._parts.append(_U64.pack(v))
-        return self
+        return self._int(_U64, v)
 
     def f64(self, v: float) -> BodyWriter:
         self._parts.append(_F64.pack(v))

@@ -98,7 +98,8 @@ HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the cont
 class Hello(Message):
     """Learner → syncer on the control stream: who it is, its layout and session contract.
 
-    `mac` = HMAC-SHA256(key, b"yeto-hello" | server nonce | body-without-mac).
+    `mac` = HMAC-SHA256(key, b"yeto-hello-v1" | len | server nonce | len | body-without-mac),
+    each part prefixed by its 4-byte little-endian length (see `auth.sign`).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
@@ -243,7 +244,11 @@ class Manifest(Message):
         for _ in range(r.count("specs")):
             name = r.string("name")
             shape = tuple(r.u64("shape") for _ in range(r.u8("rank")))
-            specs.append(TensorSpec(name, shape, r.string("dtype"), bool(r.u8("embedding"))))
+            dtype, embedding = r.string("dtype"), bool(r.u8("embedding"))
+            try:
+                specs.append(TensorSpec(name, shape, dtype, embedding))
+            except ValueError as exc:
+                raise ProtocolError(f"MANIFEST: tensor {name!r}: {exc}") from exc
         r.end()
         return cls(p, pattern, tuple(specs))
 

@@ -154,25 +154,30 @@ class _Incoming:
     buffer: bytearray
     received: int = 0
     msg: Message | None = None
+    chunks: set[int] = dataclasses.field(default_factory=set)  # indices of chunks already written
 
 
 class Reassembler:
     """Collects announced bulk transfers and their chunks into one buffer each."""
 
     def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview], None],
-                 peer: str) -> None:
+                 peer: str, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
         self.max_payload = max_payload  # evaluated per transfer: the bound can tighten once a layout is known
         self._deliver = deliver
         self._peer = peer
         self._lock = threading.Lock()
         self._transfers: dict[int, _Incoming] = {}
 
+    def _check_bound(self, total: int) -> None:
+        bound = self.max_payload()
+        if total > bound:
+            raise ProtocolError(f"{self._peer}: transfer of {total} bytes exceeds the {bound}-byte bound")
+
     def _get(self, transfer: int, total: int) -> _Incoming:
         inc = self._transfers.get(transfer)
         if inc is None:
-            bound = self.max_payload()
-            if total > bound:
-                raise ProtocolError(f"{self._peer}: transfer of {total} bytes exceeds the {bound}-byte bound")
+            self._check_bound(total)
             if len(self._transfers) >= MAX_TRANSFERS_IN_FLIGHT:
                 raise ProtocolError(f"{self._peer}: more than {MAX_TRANSFERS_IN_FLIGHT} transfers in flight")
             inc = _Incoming(bytearray(total))
@@ -200,10 +205,20 @@ class Reassembler:
             self._deliver(*done)
 
     def chunk_target(self, transfer: int, total: int, offset: int, n: int) -> memoryview:
-        if n > CHUNK_BYTES or offset + n > total:
-            raise ProtocolError(f"{self._peer}: chunk [{offset}, {offset + n}) outside transfer of {total} bytes")
+        # Chunks tile the transfer exactly (4 MiB each, the last one shorter), so tracking chunk
+        # indices proves every byte was written once: a repeated chunk cannot hide a hole.
+        if transfer not in self._transfers:  # a new transfer: refuse an oversize claim before anything else
+            self._check_bound(total)
+        size = self.chunk_bytes
+        index, misaligned = divmod(offset, size)
+        if misaligned or offset >= total or n != min(size, total - offset):
+            raise ProtocolError(f"{self._peer}: chunk [{offset}, {offset + n}) does not tile a transfer of {total} "
+                                f"bytes in {size}-byte chunks")
         with self._lock:
             inc = self._get(transfer, total)
+            if index in inc.chunks:
+                raise ProtocolError(f"{self._peer}: chunk at offset {offset} of transfer {transfer} sent twice")
+            inc.chunks.add(index)
             return memoryview(inc.buffer)[offset : offset + n]
 
     def chunk_done(self, transfer: int, n: int) -> None:
@@ -323,6 +338,10 @@ class ConnectionGroup:
         view = memoryview(payload).cast("B")
         total = len(view)
         with self._id_lock:
+            if self._closed.is_set():  # closed since the check above: close() saw no ticket of ours
+                ticket = SendTicket(1)
+                ticket.fail(self.close_reason or "connection closed")
+                return ticket
             transfer = self._next_transfer
             self._next_transfer += 1
             chunks = (total + CHUNK_BYTES - 1) // CHUNK_BYTES
@@ -366,7 +385,7 @@ class ConnectionGroup:
             raise ConnectionClosed("closed locally")
         now = time.monotonic()
         if now - self._last_heard > self._peer_timeout_s:
-            raise ConnectionClosed(f"no frame from the peer for {self._peer_timeout_s:.0f} s")
+            raise ConnectionClosed(f"no frame from the peer for {self._peer_timeout_s:g} s")
         if now - self._last_sent >= self._heartbeat_s:
             self._hb_seq += 1
             self._send_control(Heartbeat(self._hb_seq, self._heartbeat_step()))
@@ -398,6 +417,9 @@ class ConnectionGroup:
             while not self._closed.is_set():
                 stream.read_into(view[: HEADER.size])
                 kind, length = parse_header(view[: HEADER.size])
+                if kind is MsgType.ERROR:  # the peer refused this stream (e.g. a failed ATTACH)
+                    refusal = decode_body(kind, memoryview(stream.read_exact(length)))
+                    raise ConnectionClosed(f"{stream.name}: peer refused: {refusal.reason}")  # type: ignore[attr-defined]
                 if kind is not MsgType.CHUNK or length < CHUNK_HEADER.size:
                     raise ProtocolError(f"{stream.name}: expected a CHUNK frame, got {kind.name}")
                 stream.read_into(view[HEADER.size :])
