@@ -191,10 +191,12 @@ class Coordinator:
         """Learner 0's manifest defines the model: allocate global state, refuse mismatches."""
         self._adopt_layout(layout)
         p = layout.num_fragments
-        zeros = [torch.zeros(f.numel, dtype=torch.float32, device=self.device) for f in layout.fragments]
+        # INIT supplies every fragment's params (adopting its buffer); only the momentum starts at zero
+        params = [torch.empty(0, dtype=torch.float32, device=self.device) for _ in layout.fragments]
+        momentum = [torch.zeros(f.numel, dtype=torch.float32, device=self.device) for f in layout.fragments]
         self.state = SyncerState(
             specs=list(layout.specs), num_fragments=p, pattern=layout.pattern, fingerprint=layout.fingerprint,
-            backend=BACKEND_ID, params=zeros, momentum=[z.clone() for z in zeros], versions=[0] * p,
+            backend=BACKEND_ID, params=params, momentum=momentum, versions=[0] * p,
             next_round=0, ledger={}, finalized=False,
             extra={"outer_lr": self.settings.outer_lr, "outer_momentum": self.settings.outer_momentum},
         )
@@ -251,10 +253,11 @@ class Coordinator:
                          f"{0 if payload is None else len(payload)} bytes, expected {numel * 4}")
             return
         values = torch.frombuffer(payload, dtype=torch.float32)
-        if not bool(torch.isfinite(values).all()):
+        if check_finite(values.view(1, -1)) is not None:
             self._refuse(link, ErrorCode.REFUSED, f"INIT of fragment {msg.fragment} contains NaN or Inf")
             return
-        self.state.params[msg.fragment].copy_(values)
+        # The reassembled buffer is this message's alone: on CPU it becomes the fragment, no copy.
+        self.state.params[msg.fragment] = values.to(self.device)
         self._init.received.add(msg.fragment)
         if len(self._init.received) == self.layout.num_fragments:
             self._initial_cut()
@@ -289,8 +292,11 @@ class Coordinator:
             return
         assert payload is not None and self.layout is not None
         codec = codec_by_id(msg.codec)
-        delta = torch.empty(self.layout.fragments[msg.fragment].numel, dtype=torch.float32)
-        codec.decode(payload, delta)
+        if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
+            delta = torch.frombuffer(payload, dtype=torch.float32)
+        else:
+            delta = torch.empty(self.layout.fragments[msg.fragment].numel, dtype=torch.float32)
+            codec.decode(payload, delta)
         if check_finite(delta.view(1, -1)) is not None:
             reason = f"delta for fragment {msg.fragment} contains NaN or Inf"
             log.warning("learner %d: push refused: %s", lid, reason)

@@ -43,7 +43,7 @@ from yeto_core.wire.messages import (
     Push,
     Welcome,
 )
-from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, tune_socket
+from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, receive_buffer, tune_socket
 
 log = logging.getLogger("yeto.client")
 
@@ -127,6 +127,7 @@ class SyncerClient:
             threading.Thread(target=self._run, name=f"yeto-learner{learner_id}-link", daemon=True),
             threading.Thread(target=self._sender, name=f"yeto-learner{learner_id}-push", daemon=True),
         ]
+        self._encode_buffers: dict[int, memoryview] = {}
         self.pushes_sent = 0
         self.bytes_pushed = 0
 
@@ -320,6 +321,13 @@ class SyncerClient:
             finally:
                 job.done.set()
 
+    def _push_buffer(self, nbytes: int) -> memoryview:
+        """One reusable encode buffer per size: a single push is in flight at a time."""
+        buf = self._encode_buffers.get(nbytes)
+        if buf is None:
+            buf = self._encode_buffers[nbytes] = receive_buffer(nbytes)
+        return buf
+
     def _send_push(self, job: PushJob) -> None:
         with self._group_lock:
             group = self._group
@@ -327,8 +335,11 @@ class SyncerClient:
             job.error = "no link to the syncer"
             return
         nbytes = self.codec.encoded_nbytes(job.delta.numel())
-        payload = bytearray(nbytes)
-        self.codec.encode(job.delta, memoryview(payload))
+        if self.codec is F32:
+            payload = tensor_bytes(job.delta)  # f32 deltas are their own wire bytes: no copy
+        else:
+            payload = self._push_buffer(nbytes)
+            self.codec.encode(job.delta, payload)
         msg = Push(job.pull.round, job.pull.attempt, job.pull.fragment, job.base_version, job.tokens, job.steps,
                    0, 0, self.codec.wire_id)
         ticket: SendTicket = group.send(msg, payload)
