@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if not args.no_sync:  # a bad YETO_DILOCO_* value fails now, not after transformers loads
+        from yeto_core.settings import LearnerSettings, SettingsError, load_settings
+
+        try:
+            load_settings(LearnerSettings)
+        except SettingsError as exc:
+            print(f"hf_tiny_llama: {exc}", file=sys.stderr)
+            return 2
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
 
@@ -104,14 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     callbacks: list[TrainerCallback] = [JsonProgress()]
     yeto = None
     if not args.no_sync:
-        from yeto_core.settings import SettingsError
         from yeto_plugins.hf import YetoDiLoCo
 
-        try:
-            yeto = YetoDiLoCo()
-        except SettingsError as exc:
-            print(f"hf_tiny_llama: {exc}", file=sys.stderr)
-            return 2
+        yeto = YetoDiLoCo()
         callbacks.insert(0, yeto)
     targs = TrainingArguments(
         output_dir=str(args.output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,

@@ -94,6 +94,7 @@ class Coordinator:
         self.clock = clock
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.links: dict[int, Link] = {}
+        self._closed_groups: list[ConnectionGroup] = []  # joined before exit, see ConnectionGroup.join
         self.finished: set[int] = set()
         self.state = state
         self.layout: Layout | None = None
@@ -140,8 +141,11 @@ class Coordinator:
             if event is not None:
                 self._handle(event)
             self._advance()
-        for link in list(self.links.values()):
-            link.group.close("syncer stopped")
+        groups = [link.group for link in self.links.values()] + self._closed_groups
+        for group in groups:
+            group.close("syncer stopped")
+        for group in groups:
+            group.join(timeout=5.0)
         return self.exit_code
 
     def _wakeup(self) -> float:
@@ -156,6 +160,7 @@ class Coordinator:
             link = self.links.get(event.learner_id)
             if link is not None and link.generation == event.generation:
                 del self.links[event.learner_id]
+                self._retire(link.group)
                 if link.final_sent:
                     link.acked = True
                 log.info("learner %d left (%s)", event.learner_id, event.reason)
@@ -170,6 +175,7 @@ class Coordinator:
         old = self.links.get(ev.learner_id)
         if old is not None:
             old.group.close(f"replaced by generation {ev.generation}")
+            self._retire(old.group)
         link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint)
         if ev.manifest is not None and self.layout is None:
             layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
@@ -214,10 +220,17 @@ class Coordinator:
             [Segment(s.offset, s.numel, rda=not s.embedding) for s in frag.slots] for frag in layout.fragments
         ]
 
+    def _retire(self, group: ConnectionGroup) -> None:
+        """Keep a closed group until its threads have ended (they are joined before exit)."""
+        self._closed_groups = [g for g in self._closed_groups if not g.join(0.0)]
+        self._closed_groups.append(group)
+
     def _refuse(self, link: Link, code: ErrorCode, reason: str) -> None:
         log.warning("refusing learner %d: %s", link.learner_id, reason)
+        self.tape.append({"event": "refused", "learner": link.learner_id, "code": code.name, "reason": reason})
         link.group.send(Error(code, reason))
         link.group.close(reason)
+        self._retire(link.group)
 
     # -- messages ------------------------------------------------------------------------------
     def _on_message(self, link: Link, msg: Message, payload: memoryview | None) -> None:

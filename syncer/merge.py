@@ -15,13 +15,20 @@ a caller asks for a Python number (``accurate_norm``, ``check_finite``). Norms m
 fp32 reductions over tens of millions of elements drift by ~1e-3 relative, so every norm here is
 taken per block of ``_NORM_BLOCK`` elements in float32 and the blocks are combined in float64.
 Nothing allocates a full-size ``[M, N]`` temporary.
+
+``merge_deltas(..., threads=N)`` and ``check_finite(..., threads=N)`` spread independent work over N
+CPU threads (torch kernels release the GIL) and give exactly the bits of ``threads=1``: every
+reduction runs as the same single call on the same view as in the serial path, and the
+element-wise passes are cut at the serial path's own chunk boundaries.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -44,6 +51,11 @@ _NORM_BLOCK = 1 << 14
 _CPU_CHUNK = 1 << 20
 # Multiple of the worst-case rounding in the RDA direction sum below which it counts as zero.
 _CANCEL_ULPS = 4
+# Column chunk of check_finite's element-wise re-check (and of its threaded sums).
+_FINITE_CHUNK = 1 << 22
+# With threads, small segments are handed out in about this many batches per thread, so one
+# batch of large tensors does not leave the other threads idle while it finishes.
+_BATCHES_PER_THREAD = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,28 +159,47 @@ def _combine_into(rows: torch.Tensor, coef: torch.Tensor, out: torch.Tensor) -> 
     scalars = coef.unbind()
     n = rows.size(1)
     for start in range(0, n, _CPU_CHUNK):
-        stop = min(start + _CPU_CHUNK, n)
-        dst = out[start:stop]
-        torch.mul(rows[0, start:stop], scalars[0], out=dst)
-        for m in range(1, rows.size(0)):
-            dst.addcmul_(rows[m, start:stop], scalars[m])
+        _combine_chunk(rows, scalars, out, start, min(start + _CPU_CHUNK, n))
     return out
 
 
-def _rda_into(deltas: torch.Tensor, w64: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _combine_chunk(
+    rows: torch.Tensor, scalars: Sequence[torch.Tensor], out: torch.Tensor, start: int, stop: int
+) -> None:
+    """One column chunk of ``_combine_into``: out[start:stop] = Σ_m scalars[m] · rows[m, start:stop]."""
+    dst = out[start:stop]
+    torch.mul(rows[0, start:stop], scalars[0], out=dst)
+    for m in range(1, rows.size(0)):
+        dst.addcmul_(rows[m, start:stop], scalars[m])
+
+
+def _rda_coef(deltas: torch.Tensor, w64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RDA's row norms ‖δ_m‖ and direction coefficients w_m/‖δ_m‖ (float64 ``[M]``)."""
     tiny = torch.finfo(torch.float64).tiny
     norms = _row_sq_norms(deltas).sqrt_()
     # A zero row has no direction: its coefficient is 0, and it adds 0 to the mean norm.
     coef = torch.where(norms > 0, w64 / norms.clamp_min(tiny), 0.0)
-    _combine_into(deltas, coef.float(), out)
+    return norms, coef
+
+
+def _rda_scale(
+    deltas: torch.Tensor, w64: torch.Tensor, norms: torch.Tensor, coef: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """The float32 factor r/‖u‖ that stretches the combined directions ``u`` to the mean norm r."""
+    tiny = torch.finfo(torch.float64).tiny
     radius = (w64 * norms).sum()
-    u_norm = _row_sq_norms(out.unsqueeze(0))[0].sqrt_()
+    u_norm = _row_sq_norms(u.unsqueeze(0))[0].sqrt_()
     # Directions that cancel leave float32 rounding noise in u, at most ~M·ε·Σw in norm; scaling
     # that noise up to the radius would invent a direction, so it counts as ‖u‖ = 0.
     eps = torch.finfo(torch.float32).eps
     noise = _CANCEL_ULPS * deltas.size(0) * eps * (coef > 0).double().mul_(w64).sum()
-    scale = torch.where(u_norm > noise, radius / u_norm.clamp_min(tiny), 0.0)
-    return out.mul_(scale.float())
+    return torch.where(u_norm > noise, radius / u_norm.clamp_min(tiny), 0.0).float()
+
+
+def _rda_into(deltas: torch.Tensor, w64: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    norms, coef = _rda_coef(deltas, w64)
+    _combine_into(deltas, coef.float(), out)
+    return out.mul_(_rda_scale(deltas, w64, norms, coef, out))
 
 
 def rda(deltas: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,13 +239,23 @@ def merge_deltas(
     weights: torch.Tensor,
     segments: Sequence[Segment],
     out: torch.Tensor | None = None,
+    *,
+    threads: int = 1,
 ) -> torch.Tensor:
     """Merge one fragment's ``[M, N]`` learner deltas into a float32 ``[N]`` merged delta.
 
     Each ``Segment`` (one tensor; the segments lie back to back and cover ``[0, N)``) is merged
     by ``rda`` or ``weighted_average`` as it asks, straight into its slice of ``out``.
+
+    ``threads`` > 1 merges CPU segments on that many threads, bit for bit the result of
+    ``threads=1``: small segments go whole to a thread; a segment longer than one column chunk
+    has its norms taken by one call each, as serially, and its weighted sum and rescaling cut at
+    the serial path's chunk boundaries. Other devices ignore ``threads`` (their kernels are
+    asynchronous already).
     """
     _check_pair("merge_deltas", deltas, weights)
+    if threads < 1:
+        raise ValueError(f"merge_deltas: threads must be >= 1, got {threads}")
     n = deltas.size(1)
     expected = 0
     for i, seg in enumerate(segments):
@@ -227,6 +268,9 @@ def merge_deltas(
     result = _out_for("merge_deltas", deltas, out)
     w64 = weights.to(device=deltas.device, dtype=torch.float64)
     w32 = w64.float()
+    if threads > 1 and deltas.device.type == "cpu":
+        _merge_threaded(deltas, w64, w32, segments, result, threads)
+        return result
     for seg in segments:
         if seg.numel == 0:
             continue
@@ -239,22 +283,123 @@ def merge_deltas(
     return result
 
 
-def check_finite(deltas: torch.Tensor) -> int | None:
+def check_finite(deltas: torch.Tensor, *, threads: int = 1) -> int | None:
     """Index of the first row of ``[M, N]`` deltas holding a NaN or ±Inf, else ``None``.
 
     A finite row sum proves the row finite (NaN and Inf propagate through a sum), so a healthy
     push costs one read pass; only rows whose sum is not finite are checked element-wise, in
     bounded chunks, to tell a bad value from an overflowing sum.
+
+    ``threads`` > 1 sums bounded chunks of every row on that many CPU threads. The answer is the
+    same for any thread count: a chunk is bad exactly when it holds a non-finite value, whatever
+    order its sum takes.
     """
     if deltas.dim() != 2:
         raise ValueError(f"check_finite: expected [M, N] deltas, got shape {tuple(deltas.shape)}")
+    if threads < 1:
+        raise ValueError(f"check_finite: threads must be >= 1, got {threads}")
+    if threads > 1 and deltas.device.type == "cpu":
+        return _check_finite_threaded(deltas, threads)
     suspects = (~torch.isfinite(deltas.sum(dim=1))).nonzero().flatten().tolist()
     for m in suspects:
         row = deltas[m]
-        for start in range(0, row.numel(), 1 << 22):
-            if not bool(torch.isfinite(row[start : start + (1 << 22)]).all()):
+        for start in range(0, row.numel(), _FINITE_CHUNK):
+            if not bool(torch.isfinite(row[start : start + _FINITE_CHUNK]).all()):
                 return int(m)
     return None
+
+
+def _run_all(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], object]]) -> None:
+    """Run ``tasks`` on ``pool`` and wait for all of them; the first failure is raised."""
+    futures = [pool.submit(task) for task in tasks]
+    for future in futures:
+        future.result()
+
+
+def _batches(segments: Sequence[Segment], parts: int) -> list[list[Segment]]:
+    """Consecutive runs of ``segments`` holding about 1/``parts`` of their elements each."""
+    target = max(1, sum(seg.numel for seg in segments) // parts)
+    out: list[list[Segment]] = [[]]
+    filled = 0
+    for seg in segments:
+        if filled >= target:
+            out.append([])
+            filled = 0
+        out[-1].append(seg)
+        filled += seg.numel
+    return [batch for batch in out if batch]
+
+
+def _merge_threaded(
+    deltas: torch.Tensor,
+    w64: torch.Tensor,
+    w32: torch.Tensor,
+    segments: Sequence[Segment],
+    result: torch.Tensor,
+    threads: int,
+) -> None:
+    """``merge_deltas``'s loop on ``threads`` CPU threads, making the same calls on the same views.
+
+    Four stages, each waiting for the one before: (1) whole small segments, the norms of long RDA
+    segments and the weighted-sum chunks of long averaged segments; (2) the direction-sum chunks
+    of long RDA segments; (3) their rescaling factors; (4) the rescaling chunks.
+    """
+    def cols(seg: Segment) -> torch.Tensor:
+        return deltas[:, seg.offset : seg.offset + seg.numel]
+
+    def dst(seg: Segment) -> torch.Tensor:
+        return result[seg.offset : seg.offset + seg.numel]
+
+    def merge_whole(batch: Sequence[Segment]) -> None:
+        for seg in batch:
+            if seg.rda:
+                _rda_into(cols(seg), w64, dst(seg))
+            else:
+                _combine_into(cols(seg), w32, dst(seg))
+
+    def chunks(seg: Segment) -> list[tuple[int, int]]:
+        return [(start, min(start + _CPU_CHUNK, seg.numel)) for start in range(0, seg.numel, _CPU_CHUNK)]
+
+    long_rda = [seg for seg in segments if seg.rda and seg.numel > _CPU_CHUNK]
+    long_avg = [seg for seg in segments if not seg.rda and seg.numel > _CPU_CHUNK]
+    short = [seg for seg in segments if 0 < seg.numel <= _CPU_CHUNK]
+    coefs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    scales: dict[int, torch.Tensor] = {}
+
+    def rda_coef(i: int, seg: Segment) -> None:
+        coefs[i] = _rda_coef(cols(seg), w64)
+
+    def rda_scale(i: int, seg: Segment) -> None:
+        norms, coef = coefs[i]
+        scales[i] = _rda_scale(cols(seg), w64, norms, coef, dst(seg))
+
+    def rescale(i: int, seg: Segment, start: int, stop: int) -> None:
+        dst(seg)[start:stop].mul_(scales[i])
+
+    w32_scalars = w32.unbind()
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="yeto-merge") as pool:
+        stage: list[Callable[[], object]] = [partial(rda_coef, i, seg) for i, seg in enumerate(long_rda)]
+        stage += [partial(_combine_chunk, cols(seg), w32_scalars, dst(seg), a, b)
+                  for seg in long_avg for a, b in chunks(seg)]
+        stage += [partial(merge_whole, batch) for batch in _batches(short, threads * _BATCHES_PER_THREAD)]
+        _run_all(pool, stage)
+        scalars = {i: coefs[i][1].float().unbind() for i in range(len(long_rda))}
+        _run_all(pool, [partial(_combine_chunk, cols(seg), scalars[i], dst(seg), a, b)
+                        for i, seg in enumerate(long_rda) for a, b in chunks(seg)])
+        _run_all(pool, [partial(rda_scale, i, seg) for i, seg in enumerate(long_rda)])
+        _run_all(pool, [partial(rescale, i, seg, a, b) for i, seg in enumerate(long_rda) for a, b in chunks(seg)])
+
+
+def _check_finite_threaded(deltas: torch.Tensor, threads: int) -> int | None:
+    def bad(m: int, start: int) -> bool:
+        part = deltas[m, start : start + _FINITE_CHUNK]
+        return not bool(torch.isfinite(part.sum())) and not bool(torch.isfinite(part).all())
+
+    jobs = [(m, start) for m in range(deltas.size(0)) for start in range(0, deltas.size(1), _FINITE_CHUNK)]
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="yeto-finite") as pool:
+        flags = list(pool.map(lambda job: bad(*job), jobs))
+    bad_rows = [m for (m, _), flag in zip(jobs, flags, strict=True) if flag]
+    return min(bad_rows) if bad_rows else None
 
 
 def outer_gradient(merged_delta: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -152,6 +152,8 @@ class SyncerClient:
             group.close(reason)
         for t in self._threads:
             t.join(timeout=5.0)
+        if group is not None:
+            group.join(timeout=5.0)
 
     def send(self, msg: Message) -> bool:
         """Send a control message if connected; False when there is no live link."""
@@ -191,6 +193,7 @@ class SyncerClient:
                     pass  # wakes when the link dies or on close()
                 if self._stop.is_set():
                     return
+                group.join(timeout=5.0)
                 self.inbox.put(Lost(group.close_reason or "link closed"))
                 log.warning("learner %d: link to syncer lost (%s); redialing", self.learner_id, group.close_reason)
             self._stop.wait(backoff)

@@ -139,6 +139,8 @@ class LearnerSession:
         self.client.start()
         deadline = time.monotonic() + self.settings.init_timeout_s
         while not self._all_installed():
+            if self._final_ready():
+                return  # joined a run that is finalizing: the first step installs the final cut
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("learner %d: no initial cut after %.0f s; training locally until it arrives",

@@ -306,6 +306,24 @@ class ConnectionGroup:
     def wait_closed(self, timeout: float) -> bool:
         return self._closed.wait(timeout)
 
+    def join(self, timeout: float) -> bool:
+        """Wait (up to `timeout` in all) for this group's threads to end after `close()`.
+
+        A process must not exit while they still hold payload buffers: a daemon thread that
+        frees the last reference to a tensor-backed buffer during interpreter shutdown aborts it.
+        """
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        for q in self._queues:  # drop queued chunks (and their buffers) nobody will send now
+            while True:
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    break
+        return not any(t.is_alive() for t in self._threads)
+
     def close(self, reason: str) -> None:
         with self._close_lock:
             if self._closed.is_set():

@@ -1,0 +1,92 @@
+"""A syncer killed mid-run resumes from its checkpoint; the islands redial and finish with it
+(SPEC §3.8, §4.6: a crashed syncer costs minutes, not the run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    Procs,
+    assert_bit_identical,
+    checkpoint_params,
+    commits,
+    eval_loss,
+    model_dir,
+    model_tensors,
+    start_learner,
+    start_syncer,
+    syncer_exit_code,
+    wait_all,
+    wait_until,
+)
+
+from syncer.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.integration
+
+FRAGMENTS = 4
+
+
+@pytest.mark.timeout(300)
+def test_killed_syncer_resumes_on_the_same_port(procs: Procs, key_file: Path) -> None:
+    rounds = 80
+    common: dict[str, Any] = {"learners": 2, "quorum": 2, "fragments": FRAGMENTS, "total_rounds": rounds}
+    first = start_syncer(procs, key_file=key_file, tape_name="tape-1.jsonl", **common)
+    max_steps = 6000  # far more than the run needs: the final cut, not max_steps, must end it
+    learners = [start_learner(procs, first, key_file, i, max_steps=max_steps) for i in range(2)]
+
+    wait_until(lambda: len(first.commits()) >= 4, 120, "4 committed rounds", interval=0.02, on_timeout=procs.tails)
+    first.proc.sigkill()
+    assert first.proc.poll() == -9
+    assert all(lp.poll() is None for lp in learners), "a learner stopped when the syncer died\n" + procs.tails()
+
+    assert first.checkpoint is not None
+    saved = load_checkpoint(first.checkpoint)
+    assert not saved.finalized
+    assert 4 <= saved.next_round < rounds, f"killed too late to test a resume (round {saved.next_round})"
+    assert sum(saved.versions) == saved.next_round
+    before = first.commits()
+    assert before and before[-1]["round"] <= saved.next_round - 1  # the checkpoint is written before the tape
+
+    second = start_syncer(procs, key_file=key_file, port=first.port, tape_name="tape-2.jsonl", resume=True,
+                          bind_retry_s=20, **common)
+    assert second.port == first.port
+
+    assert wait_all(learners, timeout=180) == [0, 0], procs.tails()
+    assert syncer_exit_code(second) == 0, second.proc.tail()
+    assert "resumed from" in second.proc.stderr()
+
+    after = commits(second.tape_records())
+    assert after, "the resumed syncer committed nothing"
+    assert [r["round"] for r in after] == list(range(saved.next_round, rounds))
+    versions = list(saved.versions)
+    seen: set[int] = set()
+    for rec in after:
+        f = rec["fragment"]
+        assert f == rec["round"] % FRAGMENTS
+        if f not in seen:
+            assert rec["version"] == saved.versions[f] + 1, f"fragment {f} restarted at v{rec['version']}"
+            seen.add(f)
+        versions[f] += 1
+        assert rec["version"] == versions[f]
+        assert sorted(rec["learners"]) == [0, 1], rec
+    assert seen == set(range(FRAGMENTS))
+    records = second.tape_records()
+    assert sorted(r["learner"] for r in records if r["event"] == "join") == [0, 1]
+    assert not any(r["event"] == "init" for r in records), "the resumed syncer took a new INIT"
+
+    final = load_checkpoint(first.checkpoint)
+    assert final.finalized and final.next_round == rounds
+    assert final.versions == versions == [rounds // FRAGMENTS] * FRAGMENTS
+
+    for lp in learners:
+        last = eval_loss(lp, "final")
+        assert last["final_cut"] is True, lp.tail()
+        assert last["steps"] < max_steps, f"{lp.name} was not training any more when the run ended"
+        assert last["loss"] < eval_loss(lp, "initial")["loss"]
+    ckpt = checkpoint_params(first.checkpoint)
+    m0, m1 = (model_tensors(model_dir(lp)) for lp in learners)
+    assert_bit_identical(m0, ckpt, "learner 0 vs final checkpoint")
+    assert_bit_identical(m1, ckpt, "learner 1 vs final checkpoint")
