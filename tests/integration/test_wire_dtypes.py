@@ -1,0 +1,49 @@
+"""bf16 pushes (SPEC §4.4) against the real syncer: a bf16 island and an f32 island merge into
+one model, and both end with the syncer's exact final bits."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Island, Procs, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
+
+from syncer.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 16
+
+
+@pytest.mark.timeout(120)
+def test_bf16_and_f32_islands_merge_into_one_model(procs: Procs, key_file: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4, total_rounds=ROUNDS)
+    assert syncer.checkpoint is not None and syncer.tape is not None
+    islands = [Island(syncer, key_file, 0, wire_dtype="f32"), Island(syncer, key_file, 1, wire_dtype="bf16")]
+    try:
+        islands[0].start()  # learner 0 seeds the syncer; learner 1 then receives the initial cut
+        islands[1].start()
+        deadline = time.monotonic() + 90
+        while not all(i.finished for i in islands) and time.monotonic() < deadline:
+            for island in islands:
+                if not island.finished:
+                    island.train_step()
+            time.sleep(0.002)
+        assert all(i.finished for i in islands), "the final cut did not reach both islands"
+        assert [i.session.client.codec.name for i in islands] == ["f32", "bf16"]
+        assert all(i.session.stats.pushes > 0 for i in islands)
+    finally:
+        for island in islands:
+            island.close()
+    assert syncer_exit_code(syncer) == 0
+    done = commits(read_tape(syncer.tape))
+    assert [c["round"] for c in done] == list(range(ROUNDS))
+    assert all(c["learners"] == [0, 1] for c in done)
+    state = load_checkpoint(syncer.checkpoint)
+    assert state.finalized and state.versions == [ROUNDS // 4] * 4
+    reference = checkpoint_params(syncer.checkpoint)
+    for island in islands:
+        for name, param in island.model.named_parameters():
+            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
