@@ -41,6 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--outer-lr", type=float, help="Nesterov outer learning rate (default 0.7)")
     add("--outer-momentum", type=float, help="Nesterov outer momentum (default 0.9)")
     add("--round-timeout-s", type=float, help="a round below quorum is retried after this (default 120)")
+    add("--pipeline", type=int, help="rounds in flight on distinct fragments (default 2; 1 = serial)")
+    add("--grace-ms", type=float, help="cap of the adaptive straggler grace window (default 5000; 0 disables)")
+    add("--grace-gamma", type=float, help="γ of the grace window (default 1.0)")
+    add("--grace-tau", type=float, help="τ of the grace window, in learner steps (default 2)")
+    add("--sync-interval-steps", type=int, help="pace rounds so each fragment syncs every H learner steps "
+        "(default 24; 0 disables)")
+    add("--min-round-interval-ms", type=float, help="floor between round launches (default 0)")
+    add("--max-base-lag", type=int, help="carry a late push to its fragment's next round when its base lags "
+        "by at most this many versions (default 1)")
+    add("--carry-answers-round", action="store_true", default=None,
+        help="count carried pushes toward the quorum of the round they join")
     add("--init-timeout-s", type=float, help="exit when no INIT arrives by then (default 600)")
     add("--final-timeout-s", type=float, help="wait this long for learners to take the final cut (default 60)")
     add("--log-level", default="INFO", help="logging level (default INFO)")

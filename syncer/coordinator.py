@@ -14,7 +14,7 @@ import logging
 import queue
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +33,16 @@ from syncer.merge import (
 from syncer.rounds import (
     Answer,
     Attempt,
+    PushFate,
+    RoundState,
+    SchedulerConfig,
     Verdict,
     attempt_quorum,
     decide_round,
     fragment_of_round,
+    judge_push,
+    pipeline_depth,
+    round_interval,
     should_finalize,
     should_launch,
 )
@@ -53,6 +59,7 @@ log = logging.getLogger("yeto.syncer")
 
 BACKEND_ID = "rda-nesterov-v1"
 PROGRESS_BAR_BYTES = 256 << 20
+EMA = 0.3  # weight of the newest sample in the ξ estimates
 
 
 class Phase(enum.Enum):
@@ -71,6 +78,24 @@ class Link:
     finished: bool = False
     final_sent: bool = False
     acked: bool = False
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A late push waiting, still encoded, for its fragment's next round."""
+
+    msg: Push
+    payload: memoryview
+    generation: int
+
+
+def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
+    return SchedulerConfig(
+        quorum=s.effective_quorum, learners=s.learners, pipeline=s.pipeline, round_timeout_s=s.round_timeout_s,
+        grace_cap_s=s.grace_ms / 1000, grace_gamma=s.grace_gamma, grace_tau=s.grace_tau,
+        sync_interval_steps=s.sync_interval_steps, min_round_interval_s=s.min_round_interval_ms / 1000,
+        max_base_lag=s.max_base_lag, carry_counts=s.carry_answers_round, total_rounds=s.total_rounds,
+    )
 
 
 @dataclass
@@ -99,7 +124,13 @@ class Coordinator:
         self.state = state
         self.layout: Layout | None = None
         self.segments: list[list[Segment]] = []
-        self.attempt: Attempt | None = None
+        self.sched = scheduler_config(settings)
+        self.attempts: dict[int, Attempt] = {}  # open rounds, by round id
+        self.ready: dict[int, tuple[Attempt, str, dict[int, int]]] = {}  # decided, waiting to commit in order
+        self.carried: dict[int, dict[int, Carried]] = {}  # fragment -> learner -> late push
+        self.step_s: dict[int, float] = {}  # ξ_step per learner (EMA of reported step times)
+        self.sync_s = 0.0  # ξ_sync: EMA of merge + commit + broadcast time
+        self._last_launch: float | None = None
         self._attempts = 0
         self._init = InitProgress()
         self._started = clock()
@@ -108,6 +139,7 @@ class Coordinator:
         self.exit_code = 0
         self._stop_requested = False
         self.phase = Phase.WAIT_INIT
+        self.next_launch = state.next_round if state is not None else 0
         if state is not None:
             self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
             self.phase = Phase.RUNNING
@@ -149,9 +181,12 @@ class Coordinator:
         return self.exit_code
 
     def _wakeup(self) -> float:
-        if self.attempt is not None:
-            return max(0.01, min(0.5, self.attempt.deadline - self.clock()))
-        return 0.25
+        now = self.clock()
+        soon = [a.deadline for a in self.attempts.values()]
+        soon += [a.quorum_at + a.grace_s for a in self.attempts.values() if a.quorum_at is not None]
+        if self._last_launch is not None and self._last_wait_reason.startswith("throttled"):
+            soon.append(now + 0.02)
+        return max(0.005, min([0.25, *(t - now for t in soon)]))
 
     def _handle(self, event: Any) -> None:
         if isinstance(event, Joined):
@@ -287,58 +322,109 @@ class Coordinator:
             self._send_full_state(link)
 
     def _on_push(self, link: Link, msg: Push, payload: memoryview | None) -> None:
-        attempt = self.attempt
+        assert self.state is not None and self.layout is not None
         lid = link.learner_id
-        if attempt is None or (msg.round, msg.attempt) != (attempt.round, attempt.attempt):
-            log.info("learner %d: push for round %d attempt %d ignored (not the open attempt)", lid, msg.round,
-                     msg.attempt)
-            return
-        if attempt.members.get(lid) != link.generation or lid in attempt.answers:
-            log.info("learner %d: push for round %d ignored (not a member of this attempt, or a repeat)", lid,
-                     msg.round)
-            return
-        reason = self._push_problem(msg, attempt, payload)
-        if reason is not None:
-            log.warning("learner %d: push refused: %s", lid, reason)
-            self.tape.append({"event": "refused", "learner": lid, "round": msg.round, "reason": reason})
-            link.group.send(Error(ErrorCode.REFUSED, reason))
-            return
-        assert payload is not None and self.layout is not None
-        codec = codec_by_id(msg.codec)
-        if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
-            delta = torch.frombuffer(payload, dtype=torch.float32)
+        if msg.step_us:  # ξ_step: EMA of each learner's reported time per inner step
+            step_s = msg.step_us / 1e6
+            old = self.step_s.get(lid)
+            self.step_s[lid] = step_s if old is None else (1 - EMA) * old + EMA * step_s
+        problem = self._payload_problem(msg, payload)
+        if problem is None:
+            fate, problem = self._judge(link, msg)
         else:
-            delta = torch.empty(self.layout.fragments[msg.fragment].numel, dtype=torch.float32)
-            codec.decode(payload, delta)
-        if check_finite(delta.view(1, -1)) is not None:
-            reason = f"delta for fragment {msg.fragment} contains NaN or Inf"
-            log.warning("learner %d: push refused: %s", lid, reason)
-            self.tape.append({"event": "refused", "learner": lid, "round": msg.round, "reason": reason})
-            link.group.send(Error(ErrorCode.REFUSED, reason))
+            fate = PushFate.REFUSE
+        if fate is PushFate.REFUSE:
+            self._refuse_push(link, msg, problem)
             return
-        attempt.answers[lid] = Answer(lid, link.generation, msg.tokens, msg.steps, delta.to(self.device))
+        assert payload is not None
+        if fate is PushFate.CARRY:
+            # Waits still encoded; decoded only when it joins the fragment's next round.
+            self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation)
+            log.info("learner %d: push for round %d carried (%s)", lid, msg.round, problem)
+            self.tape.append({"event": "carry", "learner": lid, "round": msg.round, "fragment": msg.fragment,
+                              "base_version": msg.base_version, "reason": problem})
+            self._attach_carried(msg.fragment)
+            return
+        delta = self._decode(msg, payload)
+        if delta is None:
+            self._refuse_push(link, msg, f"delta for fragment {msg.fragment} contains NaN or Inf")
+            return
+        attempt = self.attempts[msg.round]
+        attempt.answers[lid] = Answer(lid, link.generation, msg.tokens, msg.steps, delta.to(self.device),
+                                      msg.base_version)
 
-    def _push_problem(self, msg: Push, attempt: Attempt, payload: memoryview | None) -> str | None:
-        if msg.fragment != attempt.fragment:
-            return f"push names fragment {msg.fragment}, round {attempt.round} merges fragment {attempt.fragment}"
-        if msg.base_version != attempt.version:
-            return (f"stale base: delta against version {msg.base_version} of fragment {msg.fragment}, "
-                    f"global is at {attempt.version}")
+    def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
+        assert self.state is not None and self.layout is not None
+        r = msg.round
+        if r in self.attempts:
+            state = RoundState.OPEN
+        elif r in self.ready:
+            state = RoundState.CLOSED
+        elif r < self.state.next_round:
+            state = RoundState.COMMITTED
+        else:
+            state = RoundState.UNLAUNCHED
+        return judge_push(learner_id=link.learner_id, generation=link.generation, round_id=r, attempt_id=msg.attempt,
+                          fragment=msg.fragment, base_version=msg.base_version,
+                          round_fragment=fragment_of_round(r, self.layout.num_fragments), round_state=state,
+                          attempt=self.attempts.get(r), version_now=self.state.versions[msg.fragment],
+                          cfg=self.sched)
+
+    def _payload_problem(self, msg: Push, payload: memoryview | None) -> str | None:
+        assert self.layout is not None
+        if msg.fragment >= self.layout.num_fragments:
+            return f"fragment {msg.fragment} does not exist ({self.layout.num_fragments} fragments)"
         if msg.steps < 1:
             return "push reports zero steps"
         try:
             codec = codec_by_id(msg.codec)
         except ValueError as exc:
             return str(exc)
-        assert self.layout is not None
         expected = codec.encoded_nbytes(self.layout.fragments[msg.fragment].numel)
         if payload is None or len(payload) != expected:
             return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
         return None
 
+    def _decode(self, msg: Push, payload: memoryview) -> torch.Tensor | None:
+        """The push's f32 delta, or None when it holds NaN or Inf."""
+        assert self.layout is not None
+        codec = codec_by_id(msg.codec)
+        if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
+            delta = torch.frombuffer(payload, dtype=torch.float32)
+        else:
+            delta = torch.empty(self.layout.fragments[msg.fragment].numel, dtype=torch.float32)
+            codec.decode(payload, delta)
+        return None if check_finite(delta.view(1, -1)) is not None else delta
+
+    def _refuse_push(self, link: Link, msg: Push, reason: str) -> None:
+        log.warning("learner %d: push for round %d refused: %s", link.learner_id, msg.round, reason)
+        self.tape.append({"event": "refused", "learner": link.learner_id, "round": msg.round, "reason": reason})
+        link.group.send(Error(ErrorCode.REFUSED, reason))
+
+    def _attach_carried(self, fragment: int) -> None:
+        """Carried pushes join the fragment's open round (a fresh answer from the same learner wins)."""
+        attempt = next((a for a in self.attempts.values() if a.fragment == fragment), None)
+        held = self.carried.get(fragment)
+        if attempt is None or not held:
+            return
+        for lid, c in sorted(held.items()):
+            if lid in attempt.answers and not attempt.answers[lid].carried:
+                continue
+            delta = self._decode(c.msg, c.payload)
+            if delta is None:
+                continue
+            attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
+                                          c.msg.base_version, carried=True)
+        del self.carried[fragment]
+
     # -- advancing -----------------------------------------------------------------------------
     def _live(self) -> dict[int, int]:
         return {lid: link.generation for lid, link in self.links.items() if lid not in self.finished}
+
+    def _fleet_step_s(self, learners: Iterable[int]) -> float | None:
+        """ξ_step of a set of learners: the median of their smoothed step times."""
+        times = sorted(self.step_s[lid] for lid in learners if lid in self.step_s)
+        return times[len(times) // 2] if times else None
 
     def _advance(self) -> None:
         now = self.clock()
@@ -367,42 +453,58 @@ class Coordinator:
         if done:
             self._begin_finalizing(why)
             return
-        if self.attempt is not None:
-            verdict, reason = decide_round(now, self.attempt, live)
+        for r in sorted(self.attempts):
+            attempt = self.attempts[r]
+            step_s = self._fleet_step_s(attempt.answers)
+            verdict, reason = decide_round(now, attempt, live, cfg=self.sched, step_s=step_s, sync_s=self.sync_s)
             if verdict is Verdict.COMMIT:
-                self._commit(self.attempt, reason)
-                self.attempt = None
+                del self.attempts[r]
+                self.ready[r] = (attempt, reason, live)
             elif verdict is Verdict.RETRY:
-                a = self.attempt
-                log.warning("round %d attempt %d discarded: %s", a.round, a.attempt, reason)
-                self.tape.append({"event": "retry", "round": a.round, "attempt": a.attempt, "fragment": a.fragment,
-                                  "reason": reason, "answered": sorted(a.answers)})
-                self.attempt = None
-        if self.attempt is None:
-            self._maybe_launch(now, live)
+                log.warning("round %d attempt %d discarded: %s", r, attempt.attempt, reason)
+                self.tape.append({"event": "retry", "round": r, "attempt": attempt.attempt,
+                                  "fragment": attempt.fragment, "reason": reason, "answered": sorted(attempt.answers)})
+                del self.attempts[r]
+                self._launch(r, now, live)
+        while self.state.next_round in self.ready:  # commits strictly in round order
+            attempt, reason, seen_live = self.ready.pop(self.state.next_round)
+            self._commit(attempt, reason, seen_live)
+        self._maybe_launch(now, live)
+
+    def _quorum(self) -> int:
+        return attempt_quorum(self.settings.effective_quorum, self.settings.learners, len(self.finished))
 
     def _maybe_launch(self, now: float, live: dict[int, int]) -> None:
         assert self.state is not None and self.layout is not None
-        quorum = attempt_quorum(self.settings.effective_quorum, self.settings.learners, len(self.finished))
-        go, reason = should_launch(eligible=len(live), quorum=quorum, next_round=self.state.next_round,
-                                   total_rounds=self.settings.total_rounds, in_flight=self.attempt is not None)
+        depth = pipeline_depth(self.sched.pipeline, self.layout.num_fragments)
+        interval = round_interval(self._fleet_step_s(live), self.layout.num_fragments, self.sched)
+        go, reason = should_launch(now, cfg=self.sched, next_round=self.next_launch,
+                                   in_flight=len(self.attempts) + len(self.ready), depth=depth, eligible=len(live),
+                                   quorum=self._quorum(), last_launch=self._last_launch, interval_s=interval)
         if not go:
-            if reason != self._last_wait_reason:
+            if reason != self._last_wait_reason and not reason.startswith(("throttled", "all ")):
                 log.info("waiting: %s", reason)
-                self._last_wait_reason = reason
+            self._last_wait_reason = reason
             return
         self._last_wait_reason = ""
+        self._launch(self.next_launch, now, live)
+        self.next_launch += 1
+
+    def _launch(self, r: int, now: float, live: dict[int, int]) -> None:
+        assert self.state is not None and self.layout is not None
         self._attempts += 1
-        r = self.state.next_round
+        self._last_launch = now
         f = fragment_of_round(r, self.layout.num_fragments)
-        self.attempt = Attempt(round=r, attempt=self._attempts, fragment=f, version=self.state.versions[f],
-                               members=dict(live), quorum=quorum, launched_at=now,
-                               deadline=now + self.settings.round_timeout_s)
-        pull = Pull(r, self._attempts, f, self.state.versions[f])
+        version = self.state.versions[f]
+        self.attempts[r] = Attempt(round=r, attempt=self._attempts, fragment=f, version=version,
+                                   members=dict(live), quorum=self._quorum(), launched_at=now,
+                                   deadline=now + self.settings.round_timeout_s)
+        self._attach_carried(f)
+        pull = Pull(r, self._attempts, f, version)
         for lid in live:
             self.links[lid].group.send(pull)
 
-    def _commit(self, attempt: Attempt, reason: str) -> None:
+    def _commit(self, attempt: Attempt, reason: str, live: dict[int, int]) -> None:
         assert self.state is not None
         t0 = time.perf_counter()
         answers = [attempt.answers[lid] for lid in sorted(attempt.answers)]
@@ -421,26 +523,33 @@ class Coordinator:
             key = str(a.learner_id)
             self.state.ledger[key] = self.state.ledger.get(key, 0) + a.tokens
         grad_norm = accurate_norm(grad)
+        fresh = [a.learner_id for a in answers if not a.carried]
         record = {
             "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
-            "version": self.state.versions[f], "learners": [a.learner_id for a in answers],
+            "version": self.state.versions[f], "learners": [a.learner_id for a in answers], "answered": fresh,
+            "carried": [a.learner_id for a in answers if a.carried],
+            "not_waited_for": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid in live),
+            "dropped": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid not in live),
+            "base_versions": [a.base_version for a in answers], "grace_ms": round(attempt.grace_s * 1000, 1),
             "weights": [round(float(w), 6) for w in weights], "tokens": [a.tokens for a in answers],
             "steps": [a.steps for a in answers], "delta_norms": [round(accurate_norm(a.delta), 6) for a in answers],
             "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
             "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
         }
-        ckpt_ms = None
         if self.state.next_round % self.settings.checkpoint_every == 0:
             ckpt_ms = self._save_checkpoint()
-        if ckpt_ms is not None:
-            record["checkpoint_ms"] = round(ckpt_ms, 1)
+            if ckpt_ms is not None:
+                record["checkpoint_ms"] = round(ckpt_ms, 1)
         self.tape.append(record)
         payload = self._fragment_bytes(f)
         msg = Bcast(f, self.state.versions[f], attempt.round, BCAST_FULL, 0, 0, F32.wire_id)
         for link in list(self.links.values()):
             link.group.send(msg, payload)
-        log.info("round %d committed: fragment %d -> v%d, learners %s, weights %s, |outer grad| %.4g, "
+        took = time.perf_counter() - t0
+        self.sync_s = took if self.sync_s == 0.0 else (1 - EMA) * self.sync_s + EMA * took  # ξ_sync
+        log.info("round %d committed: fragment %d -> v%d, learners %s%s, weights %s, |outer grad| %.4g, "
                  "merge %.1f ms (%s)", attempt.round, f, self.state.versions[f], record["learners"],
+                 f" (carried {record['carried']})" if record["carried"] else "",
                  [f"{w:.2f}" for w in weights.tolist()], grad_norm, merge_ms, reason)
 
     # -- state out -----------------------------------------------------------------------------
@@ -465,10 +574,10 @@ class Coordinator:
 
     def _begin_finalizing(self, reason: str, *, save: bool = True) -> None:
         assert self.state is not None
-        if self.attempt is not None:
-            a = self.attempt
+        for a in [*self.attempts.values(), *(entry[0] for entry in self.ready.values())]:
             self.tape.append({"event": "abandon", "round": a.round, "attempt": a.attempt, "reason": "finalizing"})
-            self.attempt = None
+        self.attempts.clear()
+        self.ready.clear()
         self.state.finalized = True
         if save:
             self._save_checkpoint()

@@ -1,14 +1,23 @@
-"""Round decisions as pure functions of state and time (SPEC §3.2).
+"""Round decisions as pure functions of state, time and config (SPEC §3.2–3.5).
 
 Nothing here sends, sleeps or reads a clock: the coordinator passes `now` in and acts on the
 returned decision, and every decision comes with its reason (which goes to the event tape).
 
 A *round* merges one fragment; round r targets fragment r mod P (staggered, streaming DiLoCo).
+Up to `pipeline` rounds are in flight, always on distinct fragments; they may close out of
+order but commit strictly in round order.
+
 An *attempt* of a round freezes its rendezvous at launch: the members (learner id and
 connection generation) and the quorum. Learners that join or reconnect later only count for
-later attempts; a member that disconnects after answering keeps its answer. An attempt whose
-quorum can no longer be reached, or whose deadline passes below quorum, is discarded and the
-round is retried under a new attempt id.
+later attempts; a member that disconnects after answering keeps its answer. When quorum is
+reached the round waits an *adaptive grace window* for stragglers, sized to the learners'
+compute slack: γ·(τ·ξ_step − ξ_quorum − ξ_sync), capped by `grace_s`. An attempt whose quorum
+can no longer be reached, or whose deadline passes below quorum, is discarded and the round is
+retried under a new attempt id.
+
+A push that misses its round is *carried* (still encoded) to the fragment's next round when its
+base lags the global version by at most `max_base_lag`; otherwise it is refused with a reason.
+With `carry_counts`, a carried answer counts toward the quorum of the round it joins.
 """
 
 from __future__ import annotations
@@ -20,12 +29,30 @@ import torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    quorum: int
+    learners: int
+    pipeline: int = 2
+    round_timeout_s: float = 120.0
+    grace_cap_s: float = 5.0
+    grace_gamma: float = 1.0
+    grace_tau: float = 2.0
+    sync_interval_steps: int = 24
+    min_round_interval_s: float = 0.0
+    max_base_lag: int = 1
+    carry_counts: bool = False
+    total_rounds: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Answer:
     learner_id: int
     generation: int
     tokens: int
     steps: int
     delta: torch.Tensor  # d = θ − anchor, float32, on the merge device
+    base_version: int
+    carried: bool = False
 
 
 @dataclasses.dataclass
@@ -39,6 +66,11 @@ class Attempt:
     launched_at: float
     deadline: float
     answers: dict[int, Answer] = dataclasses.field(default_factory=dict)
+    quorum_at: float | None = None  # when quorum was first reached
+    grace_s: float = 0.0  # the grace window chosen then
+
+    def counted(self, carry_counts: bool) -> int:
+        return sum(1 for a in self.answers.values() if carry_counts or not a.carried)
 
 
 class Verdict(enum.Enum):
@@ -56,35 +88,142 @@ def fragment_of_round(round_id: int, num_fragments: int) -> int:
     return round_id % num_fragments
 
 
+def pipeline_depth(pipeline: int, num_fragments: int) -> int:
+    """Rounds in flight always target distinct fragments, so depth is at most P."""
+    return max(1, min(pipeline, num_fragments))
+
+
+def grace_window(*, step_s: float | None, quorum_s: float, sync_s: float, cfg: SchedulerConfig) -> tuple[float, str]:
+    """γ·(τ·ξ_step − ξ_quorum − ξ_sync), clamped to [0, cap]: the slack left before the fast
+    learners would have to wait on this round (Decoupled DiLoCo's adaptive grace)."""
+    if cfg.grace_cap_s <= 0:
+        return 0.0, "grace disabled"
+    if step_s is None:
+        return 0.0, "no step-time estimate yet"
+    raw = cfg.grace_gamma * (cfg.grace_tau * step_s - quorum_s - sync_s)
+    grace = min(max(raw, 0.0), cfg.grace_cap_s)
+    return grace, (f"grace {grace * 1000:.0f} ms = clamp({cfg.grace_gamma:g}·({cfg.grace_tau:g}·{step_s * 1000:.0f} − "
+                   f"{quorum_s * 1000:.0f} − {sync_s * 1000:.0f}) ms, cap {cfg.grace_cap_s * 1000:.0f})")
+
+
+def round_interval(step_s: float | None, num_fragments: int, cfg: SchedulerConfig) -> float:
+    """Throttle: one round per (H/P)·ξ_step, so each fragment syncs every H learner steps."""
+    paced = 0.0
+    if cfg.sync_interval_steps > 0 and step_s is not None:
+        paced = cfg.sync_interval_steps / num_fragments * step_s
+    return max(paced, cfg.min_round_interval_s)
+
+
 def should_launch(
-    *, eligible: int, quorum: int, next_round: int, total_rounds: int, in_flight: bool
+    now: float,
+    *,
+    cfg: SchedulerConfig,
+    next_round: int,
+    in_flight: int,
+    depth: int,
+    eligible: int,
+    quorum: int,
+    last_launch: float | None,
+    interval_s: float,
 ) -> tuple[bool, str]:
-    """Whether to launch an attempt now, and why (not)."""
-    if in_flight:
-        return False, "a round is in flight"
-    if total_rounds and next_round >= total_rounds:
-        return False, f"all {total_rounds} rounds committed"
+    """Whether to launch round `next_round` now, and why (not)."""
+    if cfg.total_rounds and next_round >= cfg.total_rounds:
+        return False, f"all {cfg.total_rounds} rounds launched"
+    if in_flight >= depth:
+        return False, f"{in_flight} rounds in flight (pipeline {depth})"
     if eligible < quorum:
         return False, f"waiting for learners: {eligible} connected, quorum {quorum}"
+    if last_launch is not None and now < last_launch + interval_s:
+        return False, f"throttled: one round per {interval_s * 1000:.0f} ms"
     return True, f"{eligible} learners eligible, quorum {quorum}"
 
 
-def decide_round(now: float, attempt: Attempt, live: dict[int, int]) -> tuple[Verdict, str]:
+def decide_round(
+    now: float, attempt: Attempt, live: dict[int, int], *, cfg: SchedulerConfig, step_s: float | None,
+    sync_s: float,
+) -> tuple[Verdict, str]:
     """Decide an attempt. `live` maps learner id -> generation of learners still connected and
-    still training; a member counts as pending only while its frozen generation is live."""
-    answered = len(attempt.answers)
-    pending = [lid for lid, gen in attempt.members.items() if lid not in attempt.answers and live.get(lid) == gen]
+    still training; a member is pending only while its frozen generation is live and it has no
+    fresh answer. May set `attempt.quorum_at` / `attempt.grace_s` the first time quorum is met."""
+    counted = attempt.counted(cfg.carry_counts)
+    pending = [lid for lid, gen in attempt.members.items()
+               if live.get(lid) == gen and (lid not in attempt.answers or attempt.answers[lid].carried)]
     total = len(attempt.members)
-    if answered >= attempt.quorum and not pending:
-        return Verdict.COMMIT, f"{answered} of {total} members answered (quorum {attempt.quorum})"
-    if answered >= attempt.quorum:
-        return Verdict.COMMIT, f"quorum {attempt.quorum} reached with {answered} of {total} members"
-    if answered + len(pending) < attempt.quorum:
-        return Verdict.RETRY, (f"quorum {attempt.quorum} unreachable: {answered} answered, "
+    if counted >= attempt.quorum:
+        if not pending:
+            return Verdict.COMMIT, f"{counted} of {total} members answered (quorum {attempt.quorum})"
+        if attempt.quorum_at is None:
+            attempt.quorum_at = now
+            attempt.grace_s, _ = grace_window(step_s=step_s, quorum_s=now - attempt.launched_at, sync_s=sync_s,
+                                              cfg=cfg)
+        if now >= attempt.quorum_at + attempt.grace_s:
+            return Verdict.COMMIT, (f"quorum {attempt.quorum} reached with {counted} of {total} members; "
+                                    f"grace {attempt.grace_s * 1000:.0f} ms spent, {len(pending)} not waited for")
+        return Verdict.WAIT, f"in grace: {len(pending)} stragglers for {attempt.grace_s * 1000:.0f} ms"
+    if counted + len(pending) < attempt.quorum:
+        return Verdict.RETRY, (f"quorum {attempt.quorum} unreachable: {counted} answered, "
                                f"{len(pending)} of {total} members still connected")
     if now >= attempt.deadline:
-        return Verdict.RETRY, f"deadline passed with {answered} of quorum {attempt.quorum} answers"
-    return Verdict.WAIT, f"{answered} of quorum {attempt.quorum} answered"
+        return Verdict.RETRY, f"deadline passed with {counted} of quorum {attempt.quorum} answers"
+    return Verdict.WAIT, f"{counted} of quorum {attempt.quorum} answered"
+
+
+class PushFate(enum.Enum):
+    ACCEPT = "accept"  # an answer of the open attempt
+    CARRY = "carry"  # missed its round: joins the fragment's next round, still encoded
+    REFUSE = "refuse"
+
+
+class RoundState(enum.Enum):
+    UNLAUNCHED = "unlaunched"
+    OPEN = "open"  # an attempt is collecting answers
+    CLOSED = "closed"  # decided, waiting for the rounds before it to commit
+    COMMITTED = "committed"
+
+
+def judge_push(
+    *,
+    learner_id: int,
+    generation: int,
+    round_id: int,
+    attempt_id: int,
+    fragment: int,
+    base_version: int,
+    round_fragment: int,
+    round_state: RoundState,
+    attempt: Attempt | None,
+    version_now: int,
+    cfg: SchedulerConfig,
+) -> tuple[PushFate, str]:
+    """What to do with a push (SPEC §3.2, §3.5). `attempt` is the open attempt of the push's round
+    (when `round_state` is OPEN); `version_now` the fragment's current global version."""
+    if fragment != round_fragment:
+        return PushFate.REFUSE, f"round {round_id} merges fragment {round_fragment}, not {fragment}"
+    if round_state is RoundState.UNLAUNCHED:
+        return PushFate.REFUSE, f"round {round_id} was never launched"
+    if base_version > version_now:
+        return PushFate.REFUSE, (f"base version {base_version} of fragment {fragment} is ahead of the global "
+                                 f"version {version_now}")
+    if round_state is RoundState.OPEN and attempt is not None and attempt.attempt == attempt_id:
+        if attempt.members.get(learner_id) != generation:
+            return PushFate.REFUSE, (f"learner {learner_id} (generation {generation}) is not a member of round "
+                                     f"{round_id} attempt {attempt_id}")
+        held = attempt.answers.get(learner_id)
+        if held is not None and not held.carried:
+            return PushFate.REFUSE, f"learner {learner_id} already answered round {round_id}"
+        if base_version != attempt.version:
+            return PushFate.REFUSE, (f"round {round_id} merges version {attempt.version} of fragment {fragment}; "
+                                     f"the push is based on version {base_version}")
+        return PushFate.ACCEPT, "answer"
+    # Late: a discarded attempt of an open round, or a round already closed or committed. It
+    # joins the fragment's next merge, whose version is one higher if this round still commits.
+    target = version_now + (1 if round_state is RoundState.CLOSED else 0)
+    lag = target - base_version
+    if lag > cfg.max_base_lag:
+        return PushFate.REFUSE, (f"late for round {round_id}: base version {base_version} would lag fragment "
+                                 f"{fragment}'s next merge (version {target}) by {lag} > --max-base-lag "
+                                 f"{cfg.max_base_lag}")
+    return PushFate.CARRY, f"late for round {round_id} attempt {attempt_id} (base lag {lag}): carried"
 
 
 def should_finalize(*, next_round: int, total_rounds: int, training: int, finished: int) -> tuple[bool, str]:

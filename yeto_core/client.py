@@ -80,6 +80,7 @@ class PushJob:
     base_version: int
     tokens: int
     steps: int
+    step_s: float | None
     delta: torch.Tensor
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str | None = None
@@ -343,8 +344,9 @@ class SyncerClient:
         else:
             payload = self._push_buffer(nbytes)
             self.codec.encode(job.delta, payload)
+        step_us = 0 if job.step_s is None else min(int(job.step_s * 1e6), 2**32 - 1)
         msg = Push(job.pull.round, job.pull.attempt, job.pull.fragment, job.base_version, job.tokens, job.steps,
-                   0, 0, self.codec.wire_id)
+                   step_us, 0, 0, self.codec.wire_id)
         ticket: SendTicket = group.send(msg, payload)
         while not ticket.done.wait(0.5):
             if self._stop.is_set():

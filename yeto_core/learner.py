@@ -84,6 +84,8 @@ class LearnerSession:
         self._push: PushJob | None = None
         self._done_sent_generation: int | None = None
         self._generation: int | None = None
+        self._last_step_at: float | None = None
+        self._step_s: float | None = None
         self.client = SyncerClient(
             address=settings.address,
             key=settings.read_key(),
@@ -167,6 +169,11 @@ class LearnerSession:
         """Account one optimizer step of `tokens` trained tokens; True means: stop training now."""
         self.stats.steps += 1
         self.stats.tokens += int(tokens)
+        now = time.monotonic()
+        if self._last_step_at is not None:  # EMA of the wall time per step, reported with pushes
+            took = now - self._last_step_at
+            self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
+        self._last_step_at = now
         self._drain(timeout=0.0)
         if self._final_ready():
             self._install_final()
@@ -303,7 +310,7 @@ class LearnerSession:
             if state.version < pull.version or steps == 0 or state.anchor is None:
                 continue  # its BCAST is not installed yet, or nothing trained since
             delta = self._gather(pull.fragment).sub_(state.anchor)
-            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, delta)
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, self._step_s, delta)
             del self._pulls[pull.fragment]
             self._push = job
             self.client.submit(job)

@@ -236,8 +236,9 @@ class Syncer:
 def syncer_argv(*, key_file: Path | None, port: int = 0, learners: int = 2, quorum: int | None = 2,
                 fragments: int = 4, total_rounds: int | None = None, checkpoint: Path | None = None,
                 tape: Path | None = None, resume: bool = False, extra: Sequence[str] = ()) -> list[str]:
+    # The syncer paces rounds to the learners' H (FAST_SYNC), so they match the learners' boundaries.
     argv = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", str(port), "--learners", str(learners),
-            "--fragments", str(fragments)]
+            "--fragments", str(fragments), "--sync-interval-steps", FAST_SYNC["YETO_DILOCO_SYNC_INTERVAL"]]
     if quorum is not None:
         argv += ["--quorum", str(quorum)]
     if total_rounds is not None:

@@ -78,7 +78,7 @@ def send_oversize_transfer(port: int, fingerprint: bytes, key: bytes) -> Error:
     peer = join_raw(port, key, 7, fingerprint)
     try:
         time.sleep(0.3)  # let the syncer start the group before it hears the announcement
-        peer.control.send_frame(Push(0, 1, 0, 0, 1, 1, transfer=1, nbytes=1 << 40, codec=F32.wire_id))
+        peer.control.send_frame(Push(0, 1, 0, 0, 1, 1, 0, transfer=1, nbytes=1 << 40, codec=F32.wire_id))
         err = read_until_error(peer.control)
         assert err.code is ErrorCode.PROTOCOL and "exceeds" in err.reason, err
         assert_closed(peer.control)

@@ -172,8 +172,8 @@ GOLDEN = [
         ),
     ),
     Golden(
-        Push(10, 2, 3, 9, 123456789, 24, 6, 1024, 2),
-        "5945544f" "01" "0a" "0000" "31000000",  # 49-byte body
+        Push(10, 2, 3, 9, 123456789, 24, 250000, 6, 1024, 2),
+        "5945544f" "01" "0a" "0000" "35000000",  # 53-byte body
         (
             ("round", "0a00000000000000"),
             ("attempt", "02000000"),
@@ -181,6 +181,7 @@ GOLDEN = [
             ("base_version", "09000000"),
             ("tokens", "15cd5b0700000000"),  # 123456789 = 0x075bcd15
             ("steps", "18000000"),  # 24
+            ("step_us", "90d00300"),  # 250000 = 0x0003d090
             ("transfer", "0600000000000000"),
             ("nbytes", "0004000000000000"),  # 1024
             ("codec", "02"),
@@ -250,8 +251,8 @@ EXTREMES: list[Message] = [
     Init(0, 0, 0, 0),
     Pull(U64_MAX, U32_MAX, U32_MAX, U32_MAX),
     Pull(0, 0, 0, 0),
-    Push(U64_MAX, U32_MAX, U32_MAX, U32_MAX, U64_MAX, U32_MAX, U64_MAX, U64_MAX, 255),
-    Push(0, 0, 0, 0, 0, 0, 0, 0, 0),
+    Push(U64_MAX, U32_MAX, U32_MAX, U32_MAX, U64_MAX, U32_MAX, U32_MAX, U64_MAX, U64_MAX, 255),
+    Push(0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
     Bcast(U32_MAX, U32_MAX, U64_MAX, U32_MAX, U64_MAX, U64_MAX, 255),
     Bcast(0, 0, 0, 0, 0, 0, 0),
     Final(U32_MAX, U32_MAX, U32_MAX, U64_MAX, U64_MAX, U64_MAX, 255),

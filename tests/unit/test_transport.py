@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
 MIB = 1024 * 1024
 WAIT_S = 5.0  # generous upper bound for anything that should take milliseconds on loopback
 
-PUSH = Push(round=1, attempt=1, fragment=0, base_version=0, tokens=100, steps=4, transfer=0, nbytes=0, codec=1)
+PUSH = Push(round=1, attempt=1, fragment=0, base_version=0, tokens=100, steps=4, step_us=1000, transfer=0, nbytes=0,
+            codec=1)
 
 
 def _tcp_pairs(n: int) -> list[tuple[socket.socket, socket.socket]]:

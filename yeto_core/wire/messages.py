@@ -301,7 +301,8 @@ class Pull(Message):
 
 @dataclass(frozen=True, slots=True)
 class Push(Message):
-    """Learner → syncer: d = θ − anchor for `fragment`, with the tokens and steps since the anchor."""
+    """Learner → syncer: d = θ − anchor for `fragment`, with the tokens and steps since the anchor
+    and the learner's smoothed wall time per inner step (µs; the syncer sizes grace and pacing by it)."""
 
     TYPE: ClassVar[MsgType] = MsgType.PUSH
     BULK: ClassVar[bool] = True
@@ -311,13 +312,14 @@ class Push(Message):
     base_version: int
     tokens: int
     steps: int
+    step_us: int
     transfer: int
     nbytes: int
     codec: int
 
     def encode(self) -> bytes:
         w = BodyWriter().u64(self.round).u32(self.attempt).u32(self.fragment).u32(self.base_version)
-        w.u64(self.tokens).u32(self.steps)
+        w.u64(self.tokens).u32(self.steps).u32(self.step_us)
         _bulk_fields(w, self.transfer, self.nbytes, self.codec)
         return w.getvalue()
 
@@ -331,6 +333,7 @@ class Push(Message):
             base_version=r.u32("base_version"),
             tokens=r.u64("tokens"),
             steps=r.u32("steps"),
+            step_us=r.u32("step_us"),
             transfer=r.u64("transfer"),
             nbytes=r.u64("nbytes"),
             codec=r.u8("codec"),

@@ -1,0 +1,171 @@
+"""Outer optimizers behind one interface: Nesterov and delayed Nesterov (SPEC §3.6).
+
+An outer optimizer turns a fragment's outer gradient g (``merge.outer_gradient``: the negated
+merged delta) into an in-place update of the fragment's flat parameter buffer and its momentum
+buffer. Whatever else it must remember between rounds lives in a per-fragment ``state`` dict of
+tensors and ints, which the caller keeps next to the momentum and a checkpoint can store as is.
+
+- ``Nesterov``: DiLoCo's SGD with Nesterov momentum, ``merge.nesterov_step`` unchanged.
+- ``DelayedNesterov``: delayed Nesterov momentum from "Asynchronous Local-SGD Training for
+  Language Modeling" (arXiv:2401.09135, Algorithm 3), for a syncer that steps once per push: the
+  momentum moves only every N-th step, from the average of the N gradients since the last move,
+  so a burst of stale gradients cannot compound in it; every step still applies its own gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+import torch
+
+from syncer.merge import nesterov_step
+
+__all__ = [
+    "ACCUM_KEY",
+    "COUNT_KEY",
+    "OUTER_OPTIMIZERS",
+    "DelayedNesterov",
+    "Nesterov",
+    "OuterOptimizer",
+    "OuterState",
+    "make_outer_optimizer",
+]
+
+OuterState: TypeAlias = dict[str, torch.Tensor | int]
+
+ACCUM_KEY = "delayed_nesterov.accum"
+"""State key: float32 tensor shaped like the parameters, the sum of the gradients since the last
+momentum update (all zeros right after one). Created on the first step."""
+COUNT_KEY = "delayed_nesterov.count"
+"""State key: int in [0, N), how many gradients ``ACCUM_KEY`` holds."""
+
+
+class OuterOptimizer(Protocol):
+    """One outer step on one fragment, in place."""
+
+    def step(
+        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState
+    ) -> None:
+        """Update ``param`` and ``momentum`` (and ``state``) from ``outer_grad``; all the same shape."""
+        ...
+
+
+def _check_shapes(name: str, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor) -> None:
+    if not (param.shape == momentum.shape == outer_grad.shape):
+        raise ValueError(f"{name}: shapes differ: param {tuple(param.shape)}, momentum "
+                         f"{tuple(momentum.shape)}, outer_grad {tuple(outer_grad.shape)}")
+
+
+def _check_coefficients(name: str, lr: float, momentum: float) -> None:
+    if not (math.isfinite(lr) and lr > 0.0):
+        raise ValueError(f"{name}: lr must be finite and > 0, got {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"{name}: momentum must be in [0, 1), got {momentum}")
+
+
+@dataclass(frozen=True, slots=True)
+class Nesterov:
+    """SGD with Nesterov momentum (DiLoCo's outer optimizer), exactly ``merge.nesterov_step``.
+
+    momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum). Keeps no state.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check_coefficients("Nesterov", self.lr, self.momentum)
+
+    def step(
+        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState
+    ) -> None:
+        nesterov_step(param, momentum, outer_grad, lr=self.lr, momentum_coef=self.momentum)
+
+
+@dataclass(frozen=True, slots=True)
+class DelayedNesterov:
+    """Delayed Nesterov momentum (arXiv:2401.09135, Algorithm 3) with delay N and activation c.
+
+    With step counter t = 0, 1, …, accumulator A (``ACCUM_KEY``) and gradient g_t:
+
+        A ← A + g_t
+        if (t + 1) mod N = 0:   m ← μ·m + A/N
+                                param ← param − lr·((1 − cN + c)·μ·m + g_t/N);   A ← 0
+        else:                   param ← param − lr·(c·μ·m + g_t/N)
+
+    Over one window of N steps the parameters move by −lr·(ḡ + μ·m) with ḡ the window's mean
+    gradient: one Nesterov step on the mean, spread over the window. ``activation`` c ∈ [0, 1/N]
+    moves part of the momentum term from the window's last step to every step (0, the default,
+    applies it only there). With N = 1 every step is a momentum step, m ← μ·m + g and
+    param ← param − lr·(μ·m + g): exactly ``Nesterov``, and computed op for op like it, with no
+    accumulator.
+
+    The window is counted per fragment in ``state`` (``COUNT_KEY``), so it survives a checkpoint
+    together with ``ACCUM_KEY``.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    delay: int = 1
+    activation: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_coefficients("DelayedNesterov", self.lr, self.momentum)
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 1:
+            raise ValueError(f"DelayedNesterov: delay must be an int >= 1, got {self.delay!r}")
+        if not 0.0 <= self.activation <= 1.0 / self.delay:
+            raise ValueError(f"DelayedNesterov: activation must be in [0, 1/delay] = [0, {1.0 / self.delay}], "
+                             f"got {self.activation}")
+
+    def step(
+        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState
+    ) -> None:
+        _check_shapes("DelayedNesterov", param, momentum, outer_grad)
+        n = self.delay
+        count = state.get(COUNT_KEY, 0)
+        if not isinstance(count, int) or not 0 <= count < n:
+            raise ValueError(f"DelayedNesterov: state[{COUNT_KEY!r}] must be an int in [0, {n}), got {count!r}")
+        accum = state.get(ACCUM_KEY)
+        if n > 1 and accum is None:
+            accum = torch.zeros_like(param)
+            state[ACCUM_KEY] = accum
+        if accum is not None and (not isinstance(accum, torch.Tensor) or accum.shape != param.shape):
+            raise ValueError(f"DelayedNesterov: state[{ACCUM_KEY!r}] must be a tensor shaped like the "
+                             f"parameters {tuple(param.shape)}")
+        if count + 1 == n:
+            if accum is None:
+                momentum.mul_(self.momentum).add_(outer_grad)
+            else:
+                momentum.mul_(self.momentum).add_(accum.add_(outer_grad), alpha=1.0 / n)
+                accum.zero_()
+            # lr·(k·μ·m + g/N) as (lr/N)·(g + N·k·μ·m), with k = 1 − cN + c = 1 + c(1 − N): for N = 1
+            # both factors are exactly 1 and the arithmetic is nesterov_step's.
+            pull = n * (1.0 + self.activation * (1 - n)) * self.momentum
+            param.add_(torch.add(outer_grad, momentum, alpha=pull), alpha=-self.lr / n)
+            state[COUNT_KEY] = 0
+            return
+        assert accum is not None
+        accum.add_(outer_grad)
+        if self.activation > 0.0:
+            pull = n * self.activation * self.momentum
+            param.add_(torch.add(outer_grad, momentum, alpha=pull), alpha=-self.lr / n)
+        else:
+            param.add_(outer_grad, alpha=-self.lr / n)
+        state[COUNT_KEY] = count + 1
+
+
+OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
+
+
+def make_outer_optimizer(name: str, *, lr: float, momentum: float, delay: int = 1) -> OuterOptimizer:
+    """The outer optimizer ``--outer-optimizer`` names: ``nesterov`` or ``delayed-nesterov``.
+
+    ``delay`` is delayed Nesterov's N; plain Nesterov has no delay and ignores it.
+    """
+    if name == "nesterov":
+        return Nesterov(lr=lr, momentum=momentum)
+    if name == "delayed-nesterov":
+        return DelayedNesterov(lr=lr, momentum=momentum, delay=delay)
+    raise ValueError(f"unknown outer optimizer {name!r}; accepted: {', '.join(OUTER_OPTIMIZERS)}")
