@@ -49,15 +49,22 @@ class SyncerState:
     ledger: dict[str, int]
     finalized: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Delayed Nesterov's per-fragment gradient accumulator and window position (None: not used).
+    outer_accum: list[torch.Tensor] | None = None
+    outer_count: list[int] = field(default_factory=list)
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
-def _tensor_names(layout: Layout) -> Iterator[tuple[str, int, int, int, tuple[int, ...]]]:
-    """(file name, fragment, offset, numel, shape) in file order: all params, then all momentum."""
-    for kind in ("param", "momentum"):
+def _tensor_names(
+    layout: Layout, with_accum: bool = False
+) -> Iterator[tuple[str, int, int, int, tuple[int, ...]]]:
+    """(file name, fragment, offset, numel, shape) in file order: all params, then all momentum
+    (then the delayed-Nesterov accumulators, when the run keeps them)."""
+    kinds = ("param", "momentum", "accum") if with_accum else ("param", "momentum")
+    for kind in kinds:
         for frag in layout.fragments:
             for slot in frag.slots:
                 yield f"{kind}/{slot.name}", frag.index, slot.offset, slot.numel, slot.shape
@@ -66,7 +73,12 @@ def _tensor_names(layout: Layout) -> Iterator[tuple[str, int, int, int, tuple[in
 def _check_state(state: SyncerState, layout: Layout) -> None:
     if layout.fingerprint != state.fingerprint:
         raise ValueError("SyncerState.fingerprint does not match the layout built from its specs")
-    for kind, bufs in (("params", state.params), ("momentum", state.momentum)):
+    groups = [("params", state.params), ("momentum", state.momentum)]
+    if state.outer_accum is not None:
+        groups.append(("outer_accum", state.outer_accum))
+        if len(state.outer_count) != state.num_fragments:
+            raise ValueError(f"SyncerState.outer_count has {len(state.outer_count)} entries")
+    for kind, bufs in groups:
         if len(bufs) != state.num_fragments:
             raise ValueError(
                 f"SyncerState.{kind} has {len(bufs)} buffers for {state.num_fragments} fragments"
@@ -94,6 +106,8 @@ def _metadata(state: SyncerState) -> str:
         "ledger": {str(k): int(v) for k, v in state.ledger.items()},
         "finalized": bool(state.finalized),
         "extra": state.extra,
+        "outer_accum": state.outer_accum is not None,
+        "outer_count": [int(c) for c in state.outer_count],
     }
     return json.dumps(doc, sort_keys=True)
 
@@ -108,7 +122,8 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -
 
     header: dict[str, Any] = {"__metadata__": {_META_KEY: _metadata(state)}}
     begin = 0
-    for name, _, _, numel, shape in _tensor_names(layout):
+    with_accum = state.outer_accum is not None
+    for name, _, _, numel, shape in _tensor_names(layout, with_accum):
         header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, begin + 4 * numel]}
         begin += 4 * numel
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -116,7 +131,7 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -
     total = 8 + len(head) + begin
 
     tmp = path.with_name(path.name + ".tmp")
-    bufs = {"param": state.params, "momentum": state.momentum}
+    bufs = {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum or []}
     try:
         with (
             open(tmp, "wb") as f,
@@ -126,7 +141,7 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -
         ):
             f.write(struct.pack("<Q", len(head)) + head)
             bar.update(8 + len(head))
-            for name, frag, offset, numel, _ in _tensor_names(layout):
+            for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
                 piece = bufs[name.split("/", 1)[0]][frag].detach()[offset : offset + numel]
                 raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
                 for start in range(0, len(raw), _CHUNK):
@@ -218,7 +233,8 @@ def load_checkpoint(
                     f"checkpoint {path} was merged with backend {doc['backend']!r}, "
                     f"but this run uses {expect_backend!r}"
                 )
-            expected = {name: shape for name, _, _, _, shape in _tensor_names(layout)}
+            with_accum = bool(doc.get("outer_accum", False))
+            expected = {name: shape for name, _, _, _, shape in _tensor_names(layout, with_accum)}
             present = set(f.keys())
             if missing := sorted(set(expected) - present):
                 raise CheckpointError(f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}")
@@ -235,9 +251,9 @@ def load_checkpoint(
                     )
             bufs = {
                 kind: [torch.empty(frag.numel, dtype=torch.float32) for frag in layout.fragments]
-                for kind in ("param", "momentum")
+                for kind in ("param", "momentum", "accum")
             }
-            for name, frag, offset, numel, _ in _tensor_names(layout):
+            for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
                 bufs[name.split("/", 1)[0]][frag][offset : offset + numel] = f.get_tensor(name).reshape(-1)
     except CheckpointError:
         raise
@@ -256,4 +272,6 @@ def load_checkpoint(
         ledger=dict(doc["ledger"]),
         finalized=doc["finalized"],
         extra=doc["extra"],
+        outer_accum=bufs["accum"] if with_accum else None,
+        outer_count=[int(c) for c in doc.get("outer_count", [])],
     )

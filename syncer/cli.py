@@ -13,7 +13,7 @@ from types import FrameType
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint
-from syncer.coordinator import BACKEND_ID, Coordinator
+from syncer.coordinator import Coordinator, backend_id
 from syncer.server import SyncerServer
 from syncer.tape import EventTape
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings
@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", help="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
     add("--outer-lr", type=float, help="Nesterov outer learning rate (default 0.7)")
     add("--outer-momentum", type=float, help="Nesterov outer momentum (default 0.9)")
+    add("--outer-optimizer", choices=["nesterov", "delayed-nesterov"], help="outer optimizer (default nesterov)")
+    add("--outer-delay", type=int, help="N of delayed Nesterov: the momentum moves every N steps (default 4)")
+    add("--delta-correction", choices=["heloco", "none"],
+        help="correct deltas that oppose the outer momentum (HeLoCo, default) or not")
+    add("--merge-threads", type=int, help="CPU merge threads; every count gives the same bits (default 1)")
     add("--round-timeout-s", type=float, help="a round below quorum is retried after this (default 120)")
     add("--pipeline", type=int, help="rounds in flight on distinct fragments (default 2; 1 = serial)")
     add("--grace-ms", type=float, help="cap of the adaptive straggler grace window (default 5000; 0 disables)")
@@ -76,7 +81,7 @@ def load_state(settings: SyncerSettings, device: torch.device) -> SyncerState | 
     if not path.exists():
         log.info("no checkpoint at %s yet; starting fresh", path)
         return None
-    state = load_checkpoint(path, expect_backend=BACKEND_ID)
+    state = load_checkpoint(path, expect_backend=backend_id(settings))
     if state.num_fragments != settings.fragments or state.pattern != settings.pattern:
         raise SettingsError(f"checkpoint {path} has {state.num_fragments} {state.pattern} fragments; the syncer "
                             f"was started with --fragments {settings.fragments} --pattern {settings.pattern}")

@@ -21,15 +21,10 @@ from typing import Any
 import torch
 
 from syncer.checkpoint import SyncerState, save_checkpoint
-from syncer.merge import (
-    Segment,
-    accurate_norm,
-    check_finite,
-    learner_weights,
-    merge_deltas,
-    nesterov_step,
-    outer_gradient,
-)
+from syncer.commit import decode_delta, merge_round, payload_problem
+from syncer.correction import HelocoConfig
+from syncer.merge import Segment, check_finite
+from syncer.outer import ACCUM_KEY, COUNT_KEY, make_outer_optimizer
 from syncer.rounds import (
     Answer,
     Attempt,
@@ -48,7 +43,7 @@ from syncer.rounds import (
 )
 from syncer.server import Got, Joined, Left, layout_mismatch
 from syncer.tape import EventTape
-from yeto_core.codecs import F32, codec_by_id, tensor_bytes
+from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.layout import Layout, build_layout
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
@@ -57,7 +52,12 @@ from yeto_core.wire.transport import ConnectionGroup
 
 log = logging.getLogger("yeto.syncer")
 
-BACKEND_ID = "rda-nesterov-v1"
+
+
+def backend_id(s: SyncerSettings) -> str:
+    """Names the merge math a checkpoint was made with; --resume refuses a different one."""
+    outer = "nesterov" if s.outer_optimizer == "nesterov" else f"delayed-nesterov{s.outer_delay}"
+    return f"rda-{s.delta_correction}-{outer}-v1"
 PROGRESS_BAR_BYTES = 256 << 20
 EMA = 0.3  # weight of the newest sample in the ξ estimates
 
@@ -125,6 +125,12 @@ class Coordinator:
         self.layout: Layout | None = None
         self.segments: list[list[Segment]] = []
         self.sched = scheduler_config(settings)
+        self.outer = make_outer_optimizer(settings.outer_optimizer, lr=settings.outer_lr,
+                                          momentum=settings.outer_momentum, delay=settings.outer_delay)
+        self.outer_state: list[dict[str, Any]] = []  # per fragment, kept in the checkpoint
+        # HeLoCo's confidence compares against an averaged momentum; ours is a 1/(1−μ)-longer sum.
+        self.heloco = (HelocoConfig(momentum_scale=1.0 - settings.outer_momentum)
+                       if settings.delta_correction == "heloco" else None)
         self.attempts: dict[int, Attempt] = {}  # open rounds, by round id
         self.ready: dict[int, tuple[Attempt, str, dict[int, int]]] = {}  # decided, waiting to commit in order
         self.carried: dict[int, dict[int, Carried]] = {}  # fragment -> learner -> late push
@@ -235,10 +241,13 @@ class Coordinator:
         # INIT supplies every fragment's params (adopting its buffer); only the momentum starts at zero
         params = [torch.empty(0, dtype=torch.float32, device=self.device) for _ in layout.fragments]
         momentum = [torch.zeros(f.numel, dtype=torch.float32, device=self.device) for f in layout.fragments]
+        delayed = self.settings.outer_optimizer == "delayed-nesterov"
         self.state = SyncerState(
             specs=list(layout.specs), num_fragments=p, pattern=layout.pattern, fingerprint=layout.fingerprint,
-            backend=BACKEND_ID, params=params, momentum=momentum, versions=[0] * p,
+            backend=backend_id(self.settings), params=params, momentum=momentum, versions=[0] * p,
             next_round=0, ledger={}, finalized=False,
+            outer_accum=[torch.zeros_like(m) for m in momentum] if delayed else None,
+            outer_count=[0] * p if delayed else [],
             extra={"outer_lr": self.settings.outer_lr, "outer_momentum": self.settings.outer_momentum},
         )
         log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",
@@ -251,6 +260,12 @@ class Coordinator:
 
     def _adopt_layout(self, layout: Layout) -> None:
         self.layout = layout
+        self.outer_state = [{} for _ in layout.fragments]
+        state = self.state
+        if state is not None and state.outer_accum is not None:
+            for f, st in enumerate(self.outer_state):
+                st[ACCUM_KEY] = state.outer_accum[f].to(self.device)
+                st[COUNT_KEY] = state.outer_count[f]
         self.segments = [
             [Segment(s.offset, s.numel, rda=not s.embedding) for s in frag.slots] for frag in layout.fragments
         ]
@@ -328,7 +343,7 @@ class Coordinator:
             step_s = msg.step_us / 1e6
             old = self.step_s.get(lid)
             self.step_s[lid] = step_s if old is None else (1 - EMA) * old + EMA * step_s
-        problem = self._payload_problem(msg, payload)
+        problem = payload_problem(self.layout, msg, payload)
         if problem is None:
             fate, problem = self._judge(link, msg)
         else:
@@ -345,7 +360,7 @@ class Coordinator:
                               "base_version": msg.base_version, "reason": problem})
             self._attach_carried(msg.fragment)
             return
-        delta = self._decode(msg, payload)
+        delta = decode_delta(self.layout, msg, payload)
         if delta is None:
             self._refuse_push(link, msg, f"delta for fragment {msg.fragment} contains NaN or Inf")
             return
@@ -370,32 +385,6 @@ class Coordinator:
                           attempt=self.attempts.get(r), version_now=self.state.versions[msg.fragment],
                           cfg=self.sched)
 
-    def _payload_problem(self, msg: Push, payload: memoryview | None) -> str | None:
-        assert self.layout is not None
-        if msg.fragment >= self.layout.num_fragments:
-            return f"fragment {msg.fragment} does not exist ({self.layout.num_fragments} fragments)"
-        if msg.steps < 1:
-            return "push reports zero steps"
-        try:
-            codec = codec_by_id(msg.codec)
-        except ValueError as exc:
-            return str(exc)
-        expected = codec.encoded_nbytes(self.layout.fragments[msg.fragment].numel)
-        if payload is None or len(payload) != expected:
-            return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
-        return None
-
-    def _decode(self, msg: Push, payload: memoryview) -> torch.Tensor | None:
-        """The push's f32 delta, or None when it holds NaN or Inf."""
-        assert self.layout is not None
-        codec = codec_by_id(msg.codec)
-        if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
-            delta = torch.frombuffer(payload, dtype=torch.float32)
-        else:
-            delta = torch.empty(self.layout.fragments[msg.fragment].numel, dtype=torch.float32)
-            codec.decode(payload, delta)
-        return None if check_finite(delta.view(1, -1)) is not None else delta
-
     def _refuse_push(self, link: Link, msg: Push, reason: str) -> None:
         log.warning("learner %d: push for round %d refused: %s", link.learner_id, msg.round, reason)
         self.tape.append({"event": "refused", "learner": link.learner_id, "round": msg.round, "reason": reason})
@@ -403,6 +392,7 @@ class Coordinator:
 
     def _attach_carried(self, fragment: int) -> None:
         """Carried pushes join the fragment's open round (a fresh answer from the same learner wins)."""
+        assert self.layout is not None
         attempt = next((a for a in self.attempts.values() if a.fragment == fragment), None)
         held = self.carried.get(fragment)
         if attempt is None or not held:
@@ -410,7 +400,7 @@ class Coordinator:
         for lid, c in sorted(held.items()):
             if lid in attempt.answers and not attempt.answers[lid].carried:
                 continue
-            delta = self._decode(c.msg, c.payload)
+            delta = decode_delta(self.layout, c.msg, c.payload)
             if delta is None:
                 continue
             attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
@@ -507,22 +497,20 @@ class Coordinator:
     def _commit(self, attempt: Attempt, reason: str, live: dict[int, int]) -> None:
         assert self.state is not None
         t0 = time.perf_counter()
-        answers = [attempt.answers[lid] for lid in sorted(attempt.answers)]
-        weights = learner_weights([a.tokens for a in answers], [a.steps for a in answers])
-        deltas = torch.stack([a.delta for a in answers])
-        merged = merge_deltas(deltas, weights.to(device=self.device, dtype=torch.float32),
-                              self.segments[attempt.fragment])
-        grad = outer_gradient(merged)
         f = attempt.fragment
-        nesterov_step(self.state.params[f], self.state.momentum[f], grad, lr=self.settings.outer_lr,
-                      momentum_coef=self.settings.outer_momentum)
-        merge_ms = (time.perf_counter() - t0) * 1000
+        out = merge_round(list(attempt.answers.values()), params=self.state.params[f],
+                          momentum=self.state.momentum[f], outer_state=self.outer_state[f],
+                          segments=self.segments[f], outer=self.outer, heloco=self.heloco,
+                          threads=self.settings.merge_threads)
+        if self.state.outer_accum is not None:
+            self.state.outer_accum[f] = self.outer_state[f].get(ACCUM_KEY, self.state.outer_accum[f])
+            self.state.outer_count[f] = int(self.outer_state[f].get(COUNT_KEY, 0))
+        answers, weights, grad_norm, merge_ms = out.answers, out.weights, out.outer_grad_norm, out.merge_ms
         self.state.versions[f] += 1
         self.state.next_round = attempt.round + 1
         for a in answers:
             key = str(a.learner_id)
             self.state.ledger[key] = self.state.ledger.get(key, 0) + a.tokens
-        grad_norm = accurate_norm(grad)
         fresh = [a.learner_id for a in answers if not a.carried]
         record = {
             "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
@@ -531,8 +519,8 @@ class Coordinator:
             "not_waited_for": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid in live),
             "dropped": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid not in live),
             "base_versions": [a.base_version for a in answers], "grace_ms": round(attempt.grace_s * 1000, 1),
-            "weights": [round(float(w), 6) for w in weights], "tokens": [a.tokens for a in answers],
-            "steps": [a.steps for a in answers], "delta_norms": [round(accurate_norm(a.delta), 6) for a in answers],
+            "weights": [round(w, 6) for w in weights], "tokens": [a.tokens for a in answers],
+            "steps": [a.steps for a in answers], "delta_norms": [round(n, 6) for n in out.delta_norms],
             "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
             "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
         }
@@ -550,7 +538,7 @@ class Coordinator:
         log.info("round %d committed: fragment %d -> v%d, learners %s%s, weights %s, |outer grad| %.4g, "
                  "merge %.1f ms (%s)", attempt.round, f, self.state.versions[f], record["learners"],
                  f" (carried {record['carried']})" if record["carried"] else "",
-                 [f"{w:.2f}" for w in weights.tolist()], grad_norm, merge_ms, reason)
+                 [f"{w:.2f}" for w in weights], grad_norm, merge_ms, reason)
 
     # -- state out -----------------------------------------------------------------------------
     def _fragment_bytes(self, index: int) -> memoryview:

@@ -273,3 +273,25 @@ def test_save_rejects_inconsistent_state(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"params\[2\]"):
         save_checkpoint(tmp_path / "ckpt.safetensors", state)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_delayed_nesterov_state_round_trips(tmp_path: Path) -> None:
+    specs = [TensorSpec("emb.weight", (6, 4), "float32", embedding=True), TensorSpec("layers.0.w", (4, 4), "float32"),
+             TensorSpec("layers.1.w", (4, 3), "float32")]
+    layout = build_layout(specs, 2)
+    g = torch.Generator().manual_seed(3)
+    bufs = [[torch.randn(f.numel, generator=g) for f in layout.fragments] for _ in range(3)]
+    state = SyncerState(specs=specs, num_fragments=2, pattern="binpack", fingerprint=layout.fingerprint,
+                        backend="rda-heloco-delayed-nesterov4-v1", params=bufs[0], momentum=bufs[1], versions=[3, 2],
+                        next_round=5, ledger={"0": 10}, outer_accum=bufs[2], outer_count=[1, 3])
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    back = load_checkpoint(path, expect_backend="rda-heloco-delayed-nesterov4-v1")
+    assert back.outer_count == [1, 3] and back.outer_accum is not None
+    for a, b in zip(back.outer_accum, bufs[2], strict=True):
+        assert torch.equal(a, b)
+    plain = SyncerState(specs=specs, num_fragments=2, pattern="binpack", fingerprint=layout.fingerprint,
+                        backend="rda-none-nesterov-v1", params=bufs[0], momentum=bufs[1], versions=[3, 2],
+                        next_round=5, ledger={})
+    save_checkpoint(path, plain)
+    assert load_checkpoint(path).outer_accum is None

@@ -1,0 +1,89 @@
+"""One round's merge (syncer/commit.py) against the pure pieces it composes."""
+
+import pytest
+import torch
+
+from syncer.commit import decode_delta, merge_round, payload_problem
+from syncer.correction import HelocoConfig
+from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
+from syncer.outer import Nesterov, make_outer_optimizer
+from syncer.rounds import Answer
+from yeto_core.codecs import BF16, F32, tensor_bytes
+from yeto_core.layout import TensorSpec, build_layout
+from yeto_core.wire.messages import Push
+
+pytestmark = pytest.mark.unit
+
+SEGMENTS = [Segment(0, 6, rda=True), Segment(6, 4, rda=True)]
+
+
+def answers(seed: int = 0) -> list[Answer]:
+    g = torch.Generator().manual_seed(seed)
+    return [Answer(lid, 1, tokens=100 * (lid + 1), steps=4, delta=torch.randn(10, generator=g), base_version=0)
+            for lid in (1, 0)]  # out of order on purpose
+
+
+def test_merge_round_is_weights_then_merge_then_the_outer_step() -> None:
+    params, momentum = torch.randn(10), torch.zeros(10)
+    ref_params, ref_momentum = params.clone(), momentum.clone()
+    out = merge_round(answers(), params=params, momentum=momentum, outer_state={}, segments=SEGMENTS,
+                      outer=Nesterov(), heloco=None)
+    ordered = sorted(answers(), key=lambda a: a.learner_id)
+    w = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
+    merged = merge_deltas(torch.stack([a.delta for a in ordered]), w.float(), SEGMENTS)
+    nesterov_step(ref_params, ref_momentum, outer_gradient(merged))
+    assert [a.learner_id for a in out.answers] == [0, 1]
+    assert out.weights == pytest.approx([0.2, 0.8])  # tokens² / steps: 100²/4 vs 200²/4
+    assert torch.equal(params, ref_params) and torch.equal(momentum, ref_momentum)
+
+
+def test_heloco_is_a_no_op_while_the_momentum_is_zero() -> None:
+    p1, m1 = torch.ones(10), torch.zeros(10)
+    p2, m2 = torch.ones(10), torch.zeros(10)
+    merge_round(answers(), params=p1, momentum=m1, outer_state={}, segments=SEGMENTS, outer=Nesterov(), heloco=None)
+    merge_round(answers(), params=p2, momentum=m2, outer_state={}, segments=SEGMENTS, outer=Nesterov(),
+                heloco=HelocoConfig(momentum_scale=0.1))
+    assert torch.equal(p1, p2)
+
+
+def test_merge_threads_give_the_same_bits() -> None:
+    p1, m1 = torch.ones(10), torch.full((10,), 0.5)
+    p2, m2 = torch.ones(10), torch.full((10,), 0.5)
+    cfg = HelocoConfig(momentum_scale=0.1)
+    merge_round(answers(3), params=p1, momentum=m1, outer_state={}, segments=SEGMENTS, outer=Nesterov(), heloco=cfg)
+    merge_round(answers(3), params=p2, momentum=m2, outer_state={}, segments=SEGMENTS, outer=Nesterov(), heloco=cfg,
+                threads=3)
+    assert torch.equal(p1, p2) and torch.equal(m1, m2)
+
+
+def test_delayed_nesterov_keeps_its_window_in_the_outer_state() -> None:
+    state: dict[str, object] = {}
+    outer = make_outer_optimizer("delayed-nesterov", lr=0.7, momentum=0.9, delay=3)
+    params, momentum = torch.zeros(10), torch.zeros(10)
+    merge_round(answers(), params=params, momentum=momentum, outer_state=state, segments=SEGMENTS, outer=outer,
+                heloco=None)
+    assert state["delayed_nesterov.count"] == 1 and torch.count_nonzero(momentum) == 0
+
+
+def push(codec_id: int, nbytes: int, steps: int = 2, fragment: int = 0) -> Push:
+    return Push(0, 1, fragment, 0, 10, steps, 0, 1, nbytes, codec_id)
+
+
+def test_payload_checks_name_the_problem() -> None:
+    layout = build_layout([TensorSpec("w", (5,), "float32")], 1)
+    assert payload_problem(layout, push(F32.wire_id, 20), memoryview(bytes(20))) is None
+    assert "expected 20" in str(payload_problem(layout, push(F32.wire_id, 16), memoryview(bytes(16))))
+    assert "expected 10 (bf16)" in str(payload_problem(layout, push(BF16.wire_id, 20), memoryview(bytes(20))))
+    assert "zero steps" in str(payload_problem(layout, push(F32.wire_id, 20, steps=0), memoryview(bytes(20))))
+    assert "does not exist" in str(payload_problem(layout, push(F32.wire_id, 20, fragment=3), memoryview(bytes(20))))
+
+
+def test_decode_refuses_nan_and_reads_bf16() -> None:
+    layout = build_layout([TensorSpec("w", (4,), "float32")], 1)
+    good = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    assert torch.equal(decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(good.clone())), good)  # type: ignore[arg-type]
+    bad = torch.tensor([1.0, float("nan"), 0.0, 0.0])
+    assert decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(bad)) is None
+    encoded = bytearray(8)
+    BF16.encode(good, memoryview(encoded))
+    assert torch.equal(decode_delta(layout, push(BF16.wire_id, 8), memoryview(encoded)), good)  # type: ignore[arg-type]
