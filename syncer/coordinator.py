@@ -366,7 +366,7 @@ class Coordinator:
             return
         attempt = self.attempts[msg.round]
         attempt.answers[lid] = Answer(lid, link.generation, msg.tokens, msg.steps, delta.to(self.device),
-                                      msg.base_version)
+                                      msg.base_version, at=self.clock())
 
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         assert self.state is not None and self.layout is not None
@@ -516,6 +516,8 @@ class Coordinator:
             "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
             "version": self.state.versions[f], "learners": [a.learner_id for a in answers], "answered": fresh,
             "carried": [a.learner_id for a in answers if a.carried],
+            "waited_for": sorted(a.learner_id for a in answers if attempt.quorum_at is not None
+                                 and not a.carried and a.at > attempt.quorum_at),
             "not_waited_for": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid in live),
             "dropped": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid not in live),
             "base_versions": [a.base_version for a in answers], "grace_ms": round(attempt.grace_s * 1000, 1),

@@ -53,6 +53,7 @@ class Answer:
     delta: torch.Tensor  # d = θ − anchor, float32, on the merge device
     base_version: int
     carried: bool = False
+    at: float = 0.0  # when it arrived (the coordinator's clock)
 
 
 @dataclasses.dataclass
