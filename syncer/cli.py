@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="count carried pushes toward the quorum of the round they join")
     add("--init-timeout-s", type=float, help="exit when no INIT arrives by then (default 600)")
     add("--final-timeout-s", type=float, help="wait this long for learners to take the final cut (default 60)")
+    add("--wan-stall-timeout", type=float, help="seconds without progress on a stream that fail its connection "
+        "group; also TCP_USER_TIMEOUT after the initial cut (default 0: off)")
     add("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             pattern=settings.pattern, post=coordinator.post, pinned_fingerprint=coordinator.pinned_fingerprint,
             max_payload=coordinator.max_payload, initial_cut_ready=coordinator.initial_cut_ready,
             handshake_timeout_s=settings.handshake_timeout_s, heartbeat_s=settings.heartbeat_s,
-            peer_timeout_s=settings.peer_timeout_s,
+            peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout,
         )
     except OSError as exc:
         print(f"yeto syncer: cannot listen on {settings.host}:{settings.port}: {exc.strerror}", file=sys.stderr)

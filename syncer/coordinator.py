@@ -230,6 +230,7 @@ class Coordinator:
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(self.links))
         self.tape.append({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
         if self.phase is Phase.RUNNING:
+            link.group.set_user_timeout(self.settings.wan_stall_timeout)
             self._send_full_state(link)
         elif self.phase is Phase.FINALIZING:
             self._send_final(link)
@@ -334,6 +335,7 @@ class Coordinator:
         log.info("initial cut ready: broadcasting %d fragments to %d learners", self.state.num_fragments,
                  len(self.links))
         for link in list(self.links.values()):
+            link.group.set_user_timeout(self.settings.wan_stall_timeout)
             self._send_full_state(link)
 
     def _on_push(self, link: Link, msg: Push, payload: memoryview | None) -> None:

@@ -100,8 +100,10 @@ class SyncerServer:
         handshake_timeout_s: float = 10.0,
         heartbeat_s: float = 2.0,
         peer_timeout_s: float = 30.0,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self._key = key
+        self._stall_timeout_s = stall_timeout_s
         self._num_fragments = num_fragments
         self._pattern = pattern
         self._post = post
@@ -247,7 +249,7 @@ class SyncerServer:
             on_message=lambda msg, payload: self._post(Got(lid, gen, msg, payload)),
             on_close=lambda reason: self._post(Left(lid, gen, reason)),
             max_payload=(lambda: bound) if bound else self._max_payload,
-            heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s,
+            heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,
         )
         self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest))
         group.start()

@@ -101,6 +101,7 @@ class SyncerClient:
         heartbeat_s: float = 2.0,
         peer_timeout_s: float = 30.0,
         reconnect_max_s: float = 30.0,
+        stall_timeout_s: float = 0.0,
         init_values: Callable[[], list[torch.Tensor] | None] | None = None,
         step: Callable[[], int] = lambda: 0,
     ) -> None:
@@ -114,6 +115,7 @@ class SyncerClient:
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
         self._reconnect_max_s = reconnect_max_s
+        self._stall_timeout_s = stall_timeout_s
         self._init_values = init_values
         self._step = step
         self.inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
@@ -245,8 +247,10 @@ class SyncerClient:
         group = ConnectionGroup(
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
             on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self._heartbeat_s,
-            peer_timeout_s=self._peer_timeout_s, heartbeat_step=self._step,
+            peer_timeout_s=self._peer_timeout_s, heartbeat_step=self._step, stall_timeout_s=self._stall_timeout_s,
         )
+        if self.initial_cut_received.is_set():
+            group.set_user_timeout(self._stall_timeout_s)
         with self._group_lock:
             self._group = group
         group.start()
@@ -302,7 +306,11 @@ class SyncerClient:
                                     f" bytes for fragment {msg.fragment}; expected {expected} f32 bytes")
             # The reassembled buffer is ours alone: view it as float32 without copying.
             values = torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
-            self.initial_cut_received.set()
+            if not self.initial_cut_received.is_set():
+                self.initial_cut_received.set()
+                with self._group_lock:
+                    if self._group is not None:
+                        self._group.set_user_timeout(self._stall_timeout_s)
         elif isinstance(msg, Error):
             print(f"yeto learner {self.learner_id}: syncer reports {msg.code.name.lower()}: {msg.reason}",
                   file=sys.stderr)

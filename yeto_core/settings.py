@@ -66,6 +66,7 @@ class LearnerSettings(BaseSettings):
     heartbeat_s: float = Field(default=2.0, gt=0, description="heartbeat period on the control stream")
     peer_timeout_s: float = Field(default=30.0, gt=0, description="silence after which a link is dead")
     reconnect_max_s: float = Field(default=30.0, gt=0, description="cap of the redial backoff")
+    wan_stall_timeout_s: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
     fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
 
     @field_validator("syncer")
@@ -121,6 +122,7 @@ class SyncerSettings(BaseSettings):
     heartbeat_s: float = Field(default=2.0, gt=0)
     peer_timeout_s: float = Field(default=30.0, gt=0)
     handshake_timeout_s: float = Field(default=10.0, gt=0)
+    wan_stall_timeout: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
 
     @field_validator("quorum")
     @classmethod

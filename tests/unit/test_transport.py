@@ -80,6 +80,7 @@ class Side:
         peer_timeout_s: float = 5.0,
         heartbeat_step: Callable[[], int] = lambda: 0,
         handler: Callable[[Message, memoryview | None], None] | None = None,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self.inbox: queue.SimpleQueue[tuple[Message, memoryview | None]] = queue.SimpleQueue()
         self.closes: list[str] = []
@@ -96,6 +97,7 @@ class Side:
             heartbeat_s=heartbeat_s,
             peer_timeout_s=peer_timeout_s,
             heartbeat_step=heartbeat_step,
+            stall_timeout_s=stall_timeout_s,
         )
 
     def _on_close(self, reason: str) -> None:
@@ -640,3 +642,38 @@ def test_reassembler_never_delivers_a_transfer_with_a_hole() -> None:
     except ProtocolError:
         return  # refusing the repeat is a fix too
     assert c.delivered == [], f"delivered {c.delivered[0][1]!r} although bytes 4..8 never arrived"
+
+
+# -- WAN stall watchdog --------------------------------------------------------------------------
+def test_a_stream_whose_unsent_bytes_stop_moving_fails_the_group(links: Links) -> None:
+    # b never reads its data stream: a's sender fills the kernel buffers and makes no progress.
+    a, b = links.pair(1, start_b=False, a={"stall_timeout_s": 0.5, "peer_timeout_s": 30.0})
+    ticket = a.group.send(PUSH, bytes(64 * MIB))
+    for i in range(50):  # b's control stream stays alive: only the data stalled
+        if a.group.closed:
+            break
+        b.control.send_frame(Heartbeat(i, 0))
+        time.sleep(0.1)
+    assert "stalled: unsent bytes made no progress for 0.5 s" in a.closed_with()
+    assert ticket.done.wait(WAIT_S) and not ticket.ok
+
+
+def test_an_inbound_message_that_stops_growing_fails_the_group(links: Links) -> None:
+    raw, b = links.raw_peer(1, stall_timeout_s=0.5, peer_timeout_s=30.0)
+    raw[0].sendall(encode_frame(dataclasses.replace(PUSH, transfer=1, nbytes=2 * CHUNK_BYTES)))
+    raw[1].sendall(_chunk_frame(1, 2 * CHUNK_BYTES, 0, bytes(CHUNK_BYTES))[: CHUNK_BYTES // 2])  # then silence
+    for i in range(20):  # the control stream stays alive: only the data stalled
+        if b.group.closed:
+            break
+        raw[0].sendall(encode_frame(Heartbeat(i, 0)))
+        time.sleep(0.1)
+    assert "an inbound message stopped growing for 0.5 s" in b.closed_with()
+
+
+def test_a_slow_but_moving_stream_is_not_a_stall(links: Links) -> None:
+    a, b = links.pair(2, a={"stall_timeout_s": 0.3}, b={"stall_timeout_s": 0.3})
+    data = _random_bytes(24 * MIB, seed=7)
+    ticket = a.group.send(PUSH, data)
+    assert ticket.wait(WAIT_S), ticket.error
+    _, payload = b.get()
+    assert payload == data and not a.group.closed and not b.group.closed

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_TRANSFERS_IN_FLIGHT = 256
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
+SEND_PIECE = 1024 * 1024
 
 
 def tune_socket(sock: socket.socket, *, bulk: bool) -> None:
@@ -65,6 +66,8 @@ class Stream:
         self.name = name
         self._send_lock = threading.Lock()
         self._closed = False
+        self.sending = False  # a chunk is being written (the stall watchdog looks at this)
+        self.progress_at = time.monotonic()  # the last time bytes moved either way
 
     def send_frame(self, msg: Message) -> None:
         data = encode_frame(msg)
@@ -75,8 +78,19 @@ class Stream:
         head = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(MsgType.CHUNK), 0, CHUNK_HEADER.size + len(view))
         head += CHUNK_HEADER.pack(transfer, total, offset)
         with self._send_lock:
-            self.sock.sendall(head)
-            self.sock.sendall(view)
+            self.sending = True
+            try:
+                self._send_all(memoryview(head))
+                self._send_all(view)
+            finally:
+                self.sending = False
+
+    def _send_all(self, view: memoryview) -> None:
+        """`sendall` in pieces, so the watchdog can tell a slow stream from a stalled one."""
+        sent, n = 0, len(view)
+        while sent < n:
+            sent += self.sock.send(view[sent : sent + SEND_PIECE])
+            self.progress_at = time.monotonic()
 
     def read_into(self, view: memoryview, *, idle: Callable[[], None] | None = None) -> None:
         """Fill `view` exactly. On a socket timeout call `idle()` (which may raise) and go on."""
@@ -95,6 +109,7 @@ class Stream:
             if k == 0:
                 raise ConnectionClosed(f"{self.name}: peer closed the connection")
             got += k
+            self.progress_at = time.monotonic()
 
     def read_exact(self, n: int, *, idle: Callable[[], None] | None = None) -> bytearray:
         buf = bytearray(n)
@@ -229,6 +244,11 @@ class Reassembler:
             inc.chunks.add(index)
             return inc.buffer[offset : offset + n]
 
+    def incomplete(self) -> int:
+        """How many transfers are announced or partly received but not delivered yet."""
+        with self._lock:
+            return len(self._transfers)
+
     def chunk_done(self, transfer: int, n: int) -> None:
         with self._lock:
             inc = self._transfers.get(transfer)
@@ -261,6 +281,7 @@ class ConnectionGroup:
         heartbeat_s: float = 2.0,
         peer_timeout_s: float = 30.0,
         heartbeat_step: Callable[[], int] = lambda: 0,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         if not data:
             raise ValueError("a connection group needs at least one data stream")
@@ -273,6 +294,7 @@ class ConnectionGroup:
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_step = heartbeat_step
+        self._stall_timeout_s = stall_timeout_s
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in data]
         self._next_transfer = 1
         self._next_stream = 0
@@ -412,9 +434,33 @@ class ConnectionGroup:
         now = time.monotonic()
         if now - self._last_heard > self._peer_timeout_s:
             raise ConnectionClosed(f"no frame from the peer for {self._peer_timeout_s:g} s")
+        if self._stall_timeout_s > 0:
+            self._check_stall(now)
         if now - self._last_sent >= self._heartbeat_s:
             self._hb_seq += 1
             self._send_control(Heartbeat(self._hb_seq, self._heartbeat_step()))
+
+    def _check_stall(self, now: float) -> None:
+        """The WAN watchdog: a stream whose unsent bytes, or an inbound message whose bytes, made no
+        progress for the stall timeout fails the whole group (the learner then redials)."""
+        limit = self._stall_timeout_s
+        for stream in self.data:
+            if stream.sending and now - stream.progress_at > limit:
+                raise ConnectionClosed(f"{stream.name} stalled: unsent bytes made no progress for {limit:g} s")
+        if self._reassembler.incomplete():
+            latest = max(s.progress_at for s in self.data)
+            if now - latest > limit:
+                raise ConnectionClosed(f"{self.name}: an inbound message stopped growing for {limit:g} s")
+
+    def set_user_timeout(self, seconds: float) -> None:
+        """TCP_USER_TIMEOUT on every stream: the kernel drops a connection whose sent data stays
+        unacknowledged this long. Set only after the initial cut, so a long INIT is never reset."""
+        option = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if option is None or seconds <= 0:
+            return
+        for stream in [self.control, *self.data]:
+            with contextlib.suppress(OSError):
+                stream.sock.setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
 
     def _control_loop(self) -> None:
         try:

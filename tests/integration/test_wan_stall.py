@@ -1,0 +1,98 @@
+"""WAN robustness (SPEC §4.6): a data stream that stops moving mid-push is detected by the stall
+watchdog, the learner redials, and the run still ends with every learner holding the syncer's bits."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Island, Procs, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 24
+STALL_S = 1.0
+
+
+class StallingProxy:
+    """A loopback TCP relay between one learner and the syncer. `freeze(i)` stops forwarding what
+    the learner sends on the i-th connection it opened (connection 0 is a control stream, the
+    ones after it its data streams); everything else, and every later connection, flows."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.frozen: list[threading.Event] = []
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True, name="stall-proxy").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                return
+            upstream.settimeout(None)
+            frozen = threading.Event()
+            self.frozen.append(frozen)
+            self.sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, frozen), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, None), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, frozen: threading.Event | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                while frozen is not None and frozen.is_set():
+                    time.sleep(0.05)  # hold the bytes: the stream stalls with the socket still open
+                    if src.fileno() < 0:
+                        return
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def freeze(self, index: int) -> None:
+        self.frozen[index].set()
+
+    def close(self) -> None:
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_data_stream_is_detected_and_the_learner_redials(procs: Procs, key_file: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=4, total_rounds=ROUNDS,
+                          extra=["--wan-stall-timeout", str(STALL_S)])
+    assert syncer.checkpoint is not None and syncer.tape is not None
+    proxy = StallingProxy(("127.0.0.1", syncer.port))
+    via_proxy = dataclasses.replace(syncer, port=proxy.port)
+    island = Island(via_proxy, key_file, 0, data_streams=1, wan_stall_timeout_s=STALL_S)
+    try:
+        island.start()
+        tape = syncer.tape
+        island.train_until(lambda: len(commits(read_tape(tape))) >= 6, 60, "6 commits before the stall")
+        proxy.freeze(1)  # the learner's only data stream: its next push stalls mid-flight
+        island.train_until(lambda: False, 90, "the final cut")
+        assert island.finished
+        assert len(island.session.stats.connected_generations) >= 2, "the learner never redialed"
+    finally:
+        island.close()
+        proxy.close()
+    assert syncer_exit_code(syncer) == 0
+    log = syncer.proc.stderr()
+    assert f"an inbound message stopped growing for {STALL_S:g} s" in log, syncer.proc.tail()
+    done = commits(read_tape(syncer.tape))
+    assert [c["round"] for c in done] == list(range(ROUNDS))
+    reference = checkpoint_params(syncer.checkpoint)
+    for name, param in island.model.named_parameters():
+        assert torch.equal(param.detach(), reference[name]), name
