@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--final-timeout-s", type=float, help="wait this long for learners to take the final cut (default 60)")
     add("--wan-stall-timeout", type=float, help="seconds without progress on a stream that fail its connection "
         "group; also TCP_USER_TIMEOUT after the initial cut (default 0: off)")
+    add("--bcast-delta-full-every", type=int, help="for learners taking bf16 delta broadcasts: send the full "
+        "fragment every N versions (default 8)")
     add("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 

@@ -44,10 +44,23 @@ from syncer.rounds import (
 from syncer.server import Got, Joined, Left, layout_mismatch
 from syncer.tape import EventTape
 from yeto_core.codecs import F32, tensor_bytes
+from yeto_core.downlink import DownlinkEncoder
 from yeto_core.layout import Layout, build_layout
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
-from yeto_core.wire.messages import BCAST_FULL, Bcast, Bye, Done, Error, Final, Init, Message, Pull, Push
+from yeto_core.wire.messages import (
+    BCAST_FULL,
+    HELLO_BCAST_DELTA,
+    Bcast,
+    Bye,
+    Done,
+    Error,
+    Final,
+    Init,
+    Message,
+    Pull,
+    Push,
+)
 from yeto_core.wire.transport import ConnectionGroup
 
 log = logging.getLogger("yeto.syncer")
@@ -75,6 +88,7 @@ class Link:
     generation: int
     group: ConnectionGroup
     fingerprint: bytes
+    bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
     finished: bool = False
     final_sent: bool = False
     acked: bool = False
@@ -217,7 +231,8 @@ class Coordinator:
         if old is not None:
             old.group.close(f"replaced by generation {ev.generation}")
             self._retire(old.group)
-        link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint)
+        link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint,
+                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA))
         if ev.manifest is not None and self.layout is None:
             layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
             self._pin(layout)
@@ -261,6 +276,7 @@ class Coordinator:
 
     def _adopt_layout(self, layout: Layout) -> None:
         self.layout = layout
+        self.downlink = DownlinkEncoder(layout.num_fragments, self.settings.bcast_delta_full_every)
         self.outer_state = [{} for _ in layout.fragments]
         state = self.state
         if state is not None and state.outer_accum is not None:
@@ -533,10 +549,7 @@ class Coordinator:
             if ckpt_ms is not None:
                 record["checkpoint_ms"] = round(ckpt_ms, 1)
         self.tape.append(record)
-        payload = self._fragment_bytes(f)
-        msg = Bcast(f, self.state.versions[f], attempt.round, BCAST_FULL, 0, 0, F32.wire_id)
-        for link in list(self.links.values()):
-            link.group.send(msg, payload)
+        self._broadcast(attempt.round, f)
         took = time.perf_counter() - t0
         self.sync_s = took if self.sync_s == 0.0 else (1 - EMA) * self.sync_s + EMA * took  # ξ_sync
         log.info("round %d committed: fragment %d -> v%d, learners %s%s, weights %s, |outer grad| %.4g, "
@@ -550,11 +563,38 @@ class Coordinator:
         assert self.state is not None
         return tensor_bytes(self.state.params[index].detach().to("cpu", copy=True))
 
+    def _broadcast(self, round_id: int, f: int) -> None:
+        """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta."""
+        assert self.state is not None and self.layout is not None
+        version = self.state.versions[f]
+        links = list(self.links.values())
+        if any(link.bcast_delta for link in links):
+            total = self.settings.total_rounds
+            last = bool(total) and round_id + self.layout.num_fragments >= total  # the fragment's last version
+            b = self.downlink.commit(f, version, self.state.params[f], last=last)
+            delta_msg = Bcast(f, version, round_id, b.flags, 0, 0, b.codec, b.digest)
+        else:
+            self.downlink.anchors[f] = None  # nobody follows the chain: restart it with a FULL later
+        exact: memoryview | None = None
+        for link in links:
+            if link.bcast_delta:
+                link.group.send(delta_msg, b.payload)
+            else:
+                exact = self._fragment_bytes(f) if exact is None else exact
+                link.group.send(Bcast(f, version, round_id, BCAST_FULL, 0, 0, F32.wire_id), exact)
+
     def _send_full_state(self, link: Link) -> None:
+        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor)."""
         assert self.state is not None
         for i in range(self.state.num_fragments):
-            msg = Bcast(i, self.state.versions[i], self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
-            link.group.send(msg, self._fragment_bytes(i))
+            version = self.state.versions[i]
+            if link.bcast_delta:
+                held = self.downlink.anchors[i] is not None
+                b = self.downlink.full(i) if held else self.downlink.commit(i, version, self.state.params[i])
+                link.group.send(Bcast(i, version, self.state.next_round, b.flags, 0, 0, b.codec, b.digest), b.payload)
+            else:
+                msg = Bcast(i, version, self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
+                link.group.send(msg, self._fragment_bytes(i))
 
     def _send_final(self, link: Link) -> None:
         assert self.state is not None

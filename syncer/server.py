@@ -49,6 +49,7 @@ class Joined:
     fingerprint: bytes
     wire_dtype: int
     manifest: Manifest | None
+    flags: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +252,7 @@ class SyncerServer:
             max_payload=(lambda: bound) if bound else self._max_payload,
             heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,
         )
-        self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest))
+        self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags))
         group.start()
 
     def _expire_pending(self) -> None:

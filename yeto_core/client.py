@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
-from yeto_core.codecs import F32, Codec, tensor_bytes
+from yeto_core.codecs import BF16, F32, Codec, tensor_bytes
+from yeto_core.downlink import AnchorMismatch, DownlinkDecoder
 from yeto_core.layout import Layout
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
 from yeto_core.wire.messages import (
+    BCAST_DELTA,
     CHUNK_BYTES,
+    HELLO_BCAST_DELTA,
     HELLO_SENDS_MANIFEST,
     Attach,
     Bcast,
@@ -102,6 +105,7 @@ class SyncerClient:
         peer_timeout_s: float = 30.0,
         reconnect_max_s: float = 30.0,
         stall_timeout_s: float = 0.0,
+        bcast_delta: bool = False,
         init_values: Callable[[], list[torch.Tensor] | None] | None = None,
         step: Callable[[], int] = lambda: 0,
     ) -> None:
@@ -116,6 +120,8 @@ class SyncerClient:
         self._peer_timeout_s = peer_timeout_s
         self._reconnect_max_s = reconnect_max_s
         self._stall_timeout_s = stall_timeout_s
+        self.bcast_delta = bcast_delta
+        self._downlink: DownlinkDecoder | None = None
         self._init_values = init_values
         self._step = step
         self.inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
@@ -217,7 +223,7 @@ class SyncerClient:
             # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
             # syncer without state can build the layout and bound every transfer before any bulk byte.
             sends_manifest = self._init_values is not None
-            flags = HELLO_SENDS_MANIFEST if sends_manifest else 0
+            flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
             hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
                           flags, client_nonce)
             hello = dataclasses.replace(hello, mac=auth.sign(self._key, auth.HELLO_LABEL, challenge.nonce,
@@ -300,12 +306,24 @@ class SyncerClient:
             if msg.fragment >= layout.num_fragments:
                 raise ProtocolError(f"syncer sent {type(msg).__name__} for fragment {msg.fragment} of "
                                     f"{layout.num_fragments}")
-            expected = layout.fragments[msg.fragment].numel * 4
-            if payload is None or len(payload) != expected or msg.codec != F32.wire_id:
+            numel = layout.fragments[msg.fragment].numel
+            delta = isinstance(msg, Bcast) and bool(msg.flags & BCAST_DELTA)
+            codec = BF16 if delta else F32
+            expected = codec.encoded_nbytes(numel)
+            unasked = delta and not self.bcast_delta
+            if payload is None or len(payload) != expected or msg.codec != codec.wire_id or unasked:
                 raise ProtocolError(f"syncer sent {type(msg).__name__} of {0 if payload is None else len(payload)}"
-                                    f" bytes for fragment {msg.fragment}; expected {expected} f32 bytes")
-            # The reassembled buffer is ours alone: view it as float32 without copying.
-            values = torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
+                                    f" bytes for fragment {msg.fragment}; expected {expected} {codec.name} bytes")
+            if isinstance(msg, Bcast) and self.bcast_delta:
+                if self._downlink is None:
+                    self._downlink = DownlinkDecoder(layout.num_fragments)
+                try:
+                    values = self._downlink.apply(msg.fragment, msg.version, msg.flags, payload, msg.digest)
+                except AnchorMismatch as exc:  # never train on a silently wrong model: resync by redialing
+                    log.warning("learner %d: %s; reconnecting for a full resend", self.learner_id, exc)
+                    raise ConnectionClosed(f"downlink anchor mismatch: {exc}") from exc
+            else:  # the reassembled buffer is ours alone: view it as float32 without copying
+                values = torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
             if not self.initial_cut_received.is_set():
                 self.initial_cut_received.set()
                 with self._group_lock:

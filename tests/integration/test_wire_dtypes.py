@@ -47,3 +47,33 @@ def test_bf16_and_f32_islands_merge_into_one_model(procs: Procs, key_file: Path)
     for island in islands:
         for name, param in island.model.named_parameters():
             assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
+
+
+@pytest.mark.timeout(120)
+def test_delta_broadcasts_track_the_syncer_and_the_final_cut_is_exact(procs: Procs, key_file: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4, total_rounds=ROUNDS,
+                          extra=["--bcast-delta-full-every", "3"])
+    assert syncer.checkpoint is not None and syncer.tape is not None
+    islands = [Island(syncer, key_file, 0, bcast_delta=True), Island(syncer, key_file, 1, wire_dtype="bf16")]
+    try:
+        islands[0].start()
+        islands[1].start()
+        deadline = time.monotonic() + 90
+        while not all(i.finished for i in islands) and time.monotonic() < deadline:
+            for island in islands:
+                if not island.finished:
+                    island.train_step()
+            time.sleep(0.002)
+        assert all(i.finished for i in islands), "the final cut did not reach both islands"
+        decoder = islands[0].session.client._downlink
+        assert decoder is not None and all(v >= 1 for v in decoder.versions), "no delta broadcast was applied"
+        assert islands[0].session.stats.connected_generations == [1], "an anchor mismatch forced a reconnect"
+    finally:
+        for island in islands:
+            island.close()
+    assert syncer_exit_code(syncer) == 0
+    assert [c["learners"] for c in commits(read_tape(syncer.tape))] == [[0, 1]] * ROUNDS
+    reference = checkpoint_params(syncer.checkpoint)
+    for island in islands:
+        for name, param in island.model.named_parameters():
+            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"

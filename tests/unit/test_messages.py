@@ -188,8 +188,8 @@ GOLDEN = [
         ),
     ),
     Golden(
-        Bcast(3, 10, 10, BCAST_FULL, 7, 2048, 1),
-        "5945544f" "01" "0b" "0000" "25000000",  # 37-byte body
+        Bcast(3, 10, 10, BCAST_FULL, 7, 2048, 1, bytes(range(32))),
+        "5945544f" "01" "0b" "0000" "45000000",  # 69-byte body
         (
             ("fragment", "03000000"),
             ("version", "0a000000"),
@@ -198,6 +198,7 @@ GOLDEN = [
             ("transfer", "0700000000000000"),
             ("nbytes", "0008000000000000"),  # 2048
             ("codec", "01"),
+            ("digest", bytes(range(32)).hex()),  # SHA-256 of the anchor it leads to
         ),
     ),
     Golden(
@@ -253,7 +254,7 @@ EXTREMES: list[Message] = [
     Pull(0, 0, 0, 0),
     Push(U64_MAX, U32_MAX, U32_MAX, U32_MAX, U64_MAX, U32_MAX, U32_MAX, U64_MAX, U64_MAX, 255),
     Push(0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
-    Bcast(U32_MAX, U32_MAX, U64_MAX, U32_MAX, U64_MAX, U64_MAX, 255),
+    Bcast(U32_MAX, U32_MAX, U64_MAX, U32_MAX, U64_MAX, U64_MAX, 255, b"\xff" * 32),
     Bcast(0, 0, 0, 0, 0, 0, 0),
     Final(U32_MAX, U32_MAX, U32_MAX, U64_MAX, U64_MAX, U64_MAX, 255),
     Final(0, 0, 1, 0, 0, 0, 1),

@@ -92,6 +92,7 @@ class Challenge(Message):
 
 
 HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the control stream
+HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (SPEC §4.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,12 +343,14 @@ class Push(Message):
         return msg
 
 
-BCAST_FULL = 0x1  # payload is the full fragment (the only form before downlink deltas)
+BCAST_FULL = 0x1  # payload is the full fragment, f32
+BCAST_DELTA = 0x2  # payload is bf16(Θ − downlink anchor) (sessions with HELLO_BCAST_DELTA)
 
 
 @dataclass(frozen=True, slots=True)
 class Bcast(Message):
-    """Syncer → learner: the merged global value of `fragment` at `version` (bulk, f32)."""
+    """Syncer → learner: the merged global value of `fragment` at `version` (bulk). FULL: the f32
+    values; DELTA: bf16(Θ − downlink anchor). `digest` is the SHA-256 of the anchor it leads to."""
 
     TYPE: ClassVar[MsgType] = MsgType.BCAST
     BULK: ClassVar[bool] = True
@@ -358,17 +361,18 @@ class Bcast(Message):
     transfer: int
     nbytes: int
     codec: int
+    digest: bytes = b"\0" * 32
 
     def encode(self) -> bytes:
         w = BodyWriter().u32(self.fragment).u32(self.version).u64(self.round).u32(self.flags)
         _bulk_fields(w, self.transfer, self.nbytes, self.codec)
-        return w.getvalue()
+        return w.fixed(self.digest, 32).getvalue()
 
     @classmethod
     def decode(cls, body: bytes | memoryview) -> Bcast:
         r = BodyReader(body, "BCAST")
         msg = cls(r.u32("fragment"), r.u32("version"), r.u64("round"), r.u32("flags"), r.u64("transfer"),
-                  r.u64("nbytes"), r.u8("codec"))
+                  r.u64("nbytes"), r.u8("codec"), r.fixed(32, "digest"))
         r.end()
         return msg
 
