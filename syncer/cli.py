@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "group; also TCP_USER_TIMEOUT after the initial cut (default 0: off)")
     add("--bcast-delta-full-every", type=int, help="for learners taking bf16 delta broadcasts: send the full "
         "fragment every N versions (default 8)")
+    add("--wan-stream-schedule", choices=["rr", "adaptive"], help="stripe chunks round-robin (default) or to the "
+        "data stream with the earliest estimated finish")
     add("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             max_payload=coordinator.max_payload, initial_cut_ready=coordinator.initial_cut_ready,
             handshake_timeout_s=settings.handshake_timeout_s, heartbeat_s=settings.heartbeat_s,
             peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout,
+            schedule=settings.wan_stream_schedule,
         )
     except OSError as exc:
         print(f"yeto syncer: cannot listen on {settings.host}:{settings.port}: {exc.strerror}", file=sys.stderr)

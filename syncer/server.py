@@ -102,8 +102,10 @@ class SyncerServer:
         heartbeat_s: float = 2.0,
         peer_timeout_s: float = 30.0,
         stall_timeout_s: float = 0.0,
+        schedule: str = "rr",
     ) -> None:
         self._key = key
+        self._schedule = schedule
         self._stall_timeout_s = stall_timeout_s
         self._num_fragments = num_fragments
         self._pattern = pattern
@@ -251,6 +253,7 @@ class SyncerServer:
             on_close=lambda reason: self._post(Left(lid, gen, reason)),
             max_payload=(lambda: bound) if bound else self._max_payload,
             heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,
+            schedule=self._schedule,
         )
         self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags))
         group.start()

@@ -106,6 +106,7 @@ class SyncerClient:
         reconnect_max_s: float = 30.0,
         stall_timeout_s: float = 0.0,
         bcast_delta: bool = False,
+        schedule: str = "rr",
         init_values: Callable[[], list[torch.Tensor] | None] | None = None,
         step: Callable[[], int] = lambda: 0,
     ) -> None:
@@ -121,6 +122,7 @@ class SyncerClient:
         self._reconnect_max_s = reconnect_max_s
         self._stall_timeout_s = stall_timeout_s
         self.bcast_delta = bcast_delta
+        self._schedule = schedule
         self._downlink: DownlinkDecoder | None = None
         self._init_values = init_values
         self._step = step
@@ -254,6 +256,7 @@ class SyncerClient:
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
             on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self._heartbeat_s,
             peer_timeout_s=self._peer_timeout_s, heartbeat_step=self._step, stall_timeout_s=self._stall_timeout_s,
+            schedule=self._schedule,
         )
         if self.initial_cut_received.is_set():
             group.set_user_timeout(self._stall_timeout_s)

@@ -99,6 +99,7 @@ class LearnerSession:
             reconnect_max_s=settings.reconnect_max_s,
             stall_timeout_s=settings.wan_stall_timeout_s,
             bcast_delta=settings.bcast_delta,
+            schedule=settings.wan_stream_schedule,
             init_values=self._initial_values if settings.learner_id == 0 else None,
             step=lambda: self.stats.steps,
         )

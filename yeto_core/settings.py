@@ -68,6 +68,7 @@ class LearnerSettings(BaseSettings):
     reconnect_max_s: float = Field(default=30.0, gt=0, description="cap of the redial backoff")
     wan_stall_timeout_s: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
     bcast_delta: bool = Field(default=False, description="take broadcasts as bf16 deltas against a shared anchor")
+    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
     fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
 
     @field_validator("syncer")
@@ -125,6 +126,7 @@ class SyncerSettings(BaseSettings):
     handshake_timeout_s: float = Field(default=10.0, gt=0)
     wan_stall_timeout: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
     bcast_delta_full_every: int = Field(default=8, ge=1, description="delta broadcasts: a FULL every N versions")
+    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
 
     @field_validator("quorum")
     @classmethod

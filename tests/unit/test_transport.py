@@ -33,7 +33,14 @@ from yeto_core.wire.messages import (
     Push,
     encode_frame,
 )
-from yeto_core.wire.transport import MAX_TRANSFERS_IN_FLIGHT, ConnectionGroup, Reassembler, SendTicket, Stream
+from yeto_core.wire.transport import (
+    MAX_TRANSFERS_IN_FLIGHT,
+    ConnectionGroup,
+    Reassembler,
+    SendTicket,
+    Stream,
+    pick_stream,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
 
@@ -81,6 +88,7 @@ class Side:
         heartbeat_step: Callable[[], int] = lambda: 0,
         handler: Callable[[Message, memoryview | None], None] | None = None,
         stall_timeout_s: float = 0.0,
+        schedule: str = "rr",
     ) -> None:
         self.inbox: queue.SimpleQueue[tuple[Message, memoryview | None]] = queue.SimpleQueue()
         self.closes: list[str] = []
@@ -98,6 +106,7 @@ class Side:
             peer_timeout_s=peer_timeout_s,
             heartbeat_step=heartbeat_step,
             stall_timeout_s=stall_timeout_s,
+            schedule=schedule,
         )
 
     def _on_close(self, reason: str) -> None:
@@ -677,3 +686,42 @@ def test_a_slow_but_moving_stream_is_not_a_stall(links: Links) -> None:
     assert ticket.wait(WAIT_S), ticket.error
     _, payload = b.get()
     assert payload == data and not a.group.closed and not b.group.closed
+
+
+# -- adaptive striping ---------------------------------------------------------------------------
+def test_pick_stream_sends_each_chunk_where_it_finishes_first() -> None:
+    assert pick_stream([0, 0], [None, None], 4) == 0  # nothing known: the lowest index
+    assert pick_stream([8, 0], [None, None], 4) == 1  # equal (unknown) rates: the shorter queue
+    assert pick_stream([0, 0], [1.0, 10.0], 4) == 1  # the faster stream
+    assert pick_stream([0, 40], [1.0, 10.0], 4) == 0  # 4/1 = 4 s beats (40 + 4)/10 = 4.4 s
+    assert pick_stream([0, 0], [5.0, None], 4) == 0  # an unmeasured stream counts as fast as the best
+
+
+def test_adaptive_striping_delivers_intact_and_uses_every_stream(links: Links) -> None:
+    a, b = links.pair(3, a={"schedule": "adaptive"})
+    sent = []
+    for stream in a.data:
+        original = stream.send_chunk
+
+        def counting(transfer: int, total: int, offset: int, view: memoryview, _o=original, _s=stream) -> None:
+            sent.append(_s.name)
+            _o(transfer, total, offset, view)
+
+        stream.send_chunk = counting  # type: ignore[method-assign]
+    data = _random_bytes(13 * CHUNK_BYTES + 5, seed=11)
+    for _ in range(3):
+        assert a.group.send(PUSH, data).wait(WAIT_S)
+        _, payload = b.get()
+        assert payload == data
+    assert {s.name for s in a.data} == set(sent)
+
+
+def test_an_unknown_schedule_is_refused() -> None:
+    x, y = socket.socketpair()
+    try:
+        with pytest.raises(ValueError, match="stream schedule 'fastest': expected one of rr, adaptive"):
+            ConnectionGroup(Stream(x, "c"), [Stream(y, "d")], name="g", on_message=lambda m, p: None,
+                            on_close=lambda r: None, max_payload=lambda: 1, schedule="fastest")
+    finally:
+        x.close()
+        y.close()

@@ -48,6 +48,18 @@ log = logging.getLogger(__name__)
 MAX_TRANSFERS_IN_FLIGHT = 256
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
 SEND_PIECE = 1024 * 1024
+SCHEDULES = ("rr", "adaptive")
+RATE_EMA = 0.3
+
+
+def pick_stream(backlog: list[int], rates: list[float | None], nbytes: int) -> int:
+    """Adaptive striping: the data stream that would finish `nbytes` first, given what it still has
+    queued and its measured rate. Streams not measured yet count as fast as the fastest known one
+    (so each gets tried); ties go to the lowest index."""
+    known = [r for r in rates if r]
+    default = max(known) if known else 1.0
+    finish = [(b + nbytes) / (r or default) for b, r in zip(backlog, rates, strict=True)]
+    return min(range(len(finish)), key=finish.__getitem__)
 
 
 def tune_socket(sock: socket.socket, *, bulk: bool) -> None:
@@ -282,7 +294,10 @@ class ConnectionGroup:
         peer_timeout_s: float = 30.0,
         heartbeat_step: Callable[[], int] = lambda: 0,
         stall_timeout_s: float = 0.0,
+        schedule: str = "rr",
     ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"stream schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if not data:
             raise ValueError("a connection group needs at least one data stream")
         self.name = name
@@ -295,6 +310,9 @@ class ConnectionGroup:
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_step = heartbeat_step
         self._stall_timeout_s = stall_timeout_s
+        self._schedule = schedule
+        self._backlog = [0] * len(data)  # bytes queued per data stream, not yet written
+        self._rates: list[float | None] = [None] * len(data)  # EWMA bytes/s per data stream
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in data]
         self._next_transfer = 1
         self._next_stream = 0
@@ -315,7 +333,7 @@ class ConnectionGroup:
         for i, stream in enumerate(self.data):
             stream.sock.settimeout(None)
             targets.append((self._data_loop, (stream,), f"rx{i}"))
-            targets.append((self._sender_loop, (stream, self._queues[i]), f"tx{i}"))
+            targets.append((self._sender_loop, (i, stream, self._queues[i]), f"tx{i}"))
         for fn, args, tag in targets:
             t = threading.Thread(target=fn, args=args, name=f"{self.name}-{tag}", daemon=True)
             self._threads.append(t)
@@ -396,12 +414,18 @@ class ConnectionGroup:
             ticket = SendTicket(chunks)
             if chunks:
                 self._tickets.add(ticket)
-            first = self._next_stream
-            self._next_stream = (self._next_stream + chunks) % len(self.data)
+            targets = []
+            for offset in range(0, total, CHUNK_BYTES):
+                n = min(CHUNK_BYTES, total - offset)
+                if self._schedule == "adaptive":
+                    i = pick_stream(self._backlog, self._rates, n)
+                else:
+                    i, self._next_stream = self._next_stream, (self._next_stream + 1) % len(self.data)
+                self._backlog[i] += n
+                targets.append(i)
         self._send_control(dataclasses.replace(msg, transfer=transfer, nbytes=total))  # type: ignore[type-var]
-        for i, offset in enumerate(range(0, total, CHUNK_BYTES)):
-            q = self._queues[(first + i) % len(self.data)]
-            q.put((ticket, transfer, total, offset, view[offset : offset + CHUNK_BYTES]))
+        for i, offset in zip(targets, range(0, total, CHUNK_BYTES), strict=True):
+            self._queues[i].put((ticket, transfer, total, offset, view[offset : offset + CHUNK_BYTES]))
         return ticket
 
     def _send_control(self, msg: Message) -> None:
@@ -411,17 +435,24 @@ class ConnectionGroup:
         except OSError as exc:
             self.close(f"send failed on control stream: {exc}")
 
-    def _sender_loop(self, stream: Stream, q: queue.SimpleQueue[Any]) -> None:
+    def _sender_loop(self, index: int, stream: Stream, q: queue.SimpleQueue[Any]) -> None:
         while True:
             item = q.get()
             if item is None:
                 return
             ticket, transfer, total, offset, view = item
+            started = time.monotonic()
             try:
                 stream.send_chunk(transfer, total, offset, view)
             except OSError as exc:
                 self.close(f"send failed on {stream.name}: {exc}")
                 return
+            took = max(time.monotonic() - started, 1e-6)
+            with self._id_lock:  # what the adaptive schedule knows about this stream
+                self._backlog[index] -= len(view)
+                rate = len(view) / took
+                old = self._rates[index]
+                self._rates[index] = rate if old is None else (1 - RATE_EMA) * old + RATE_EMA * rate
             ticket.chunk_sent()
             if ticket.done.is_set():
                 with self._id_lock:
