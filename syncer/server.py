@@ -21,12 +21,14 @@ from typing import Any
 
 from yeto_core.codecs import CODECS
 from yeto_core.layout import build_layout
+from yeto_core.probe import serve_probe
 from yeto_core.wire import auth
-from yeto_core.wire.errors import ErrorCode, WireError
+from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
     HELLO_SENDS_MANIFEST,
     Attach,
+    BwProbe,
     Challenge,
     Error,
     Hello,
@@ -39,6 +41,8 @@ from yeto_core.wire.transport import ConnectionGroup, Stream, tune_socket
 log = logging.getLogger("yeto.syncer.server")
 
 WIRE_IDS = {c.wire_id for c in CODECS.values()}
+MAX_PROBES = 64
+PROBE_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +123,7 @@ class SyncerServer:
         self._lock = threading.Lock()
         self._generations: dict[int, int] = {}
         self._pending: dict[bytes, _Pending] = {}
+        self._probes = 0
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -165,13 +170,15 @@ class SyncerServer:
             elif isinstance(first, Attach):
                 tune_socket(sock, bulk=True)
                 self._on_attach(stream, nonce, first)
+            elif isinstance(first, BwProbe):
+                self._on_probe(stream, nonce, first)
             else:
                 raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected HELLO or ATTACH, got {first.TYPE.name}")
         except HandshakeRefused as exc:
             log.warning("refused %s: %s", stream.name, exc.reason)
             with contextlib.suppress(OSError):
                 stream.send_frame(Error(exc.code, exc.reason))
-            stream.close()
+            linger_close(stream)
         except (WireError, OSError) as exc:
             log.warning("handshake with %s failed: %s", stream.name, exc)
             with contextlib.suppress(OSError):
@@ -182,6 +189,23 @@ class SyncerServer:
             with contextlib.suppress(OSError):
                 stream.send_frame(Error(ErrorCode.PROTOCOL, f"syncer error during handshake: {exc}"))
             stream.close()
+
+    def _on_probe(self, stream: Stream, nonce: bytes, request: BwProbe) -> None:
+        """A bandwidth probe: bounded in size (per message), count and time, never part of a session."""
+        with self._lock:
+            if self._probes >= MAX_PROBES:
+                raise HandshakeRefused(ErrorCode.REFUSED, f"more than {MAX_PROBES} bandwidth probes at once")
+            self._probes += 1
+        try:
+            stream.sock.settimeout(PROBE_TIMEOUT_S)
+            up, down = serve_probe(stream, self._key, nonce, request)
+            log.info("bandwidth probe from %s: %d bytes up, %d bytes down", stream.name, up, down)
+            stream.close()
+        except Refused as exc:
+            raise HandshakeRefused(exc.code, exc.reason) from exc  # answered with ERROR by the caller
+        finally:
+            with self._lock:
+                self._probes -= 1
 
     def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello) -> None:
         who = f"learner {hello.learner_id} ({stream.name})"
@@ -271,6 +295,26 @@ class SyncerServer:
             for s in [p.control, *p.data]:
                 if s is not None:
                     s.close()
+
+
+def linger_close(stream: Stream, *, seconds: float = 2.0, limit: int = 64 << 20) -> None:
+    """Close after an ERROR so the peer can read it: half-close, then drain what the peer is still
+    sending (bounded in time and bytes). Closing with unread input would reset the connection and
+    could destroy the ERROR frame before the peer reads it."""
+    with contextlib.suppress(OSError):
+        stream.sock.shutdown(socket.SHUT_WR)
+        stream.sock.settimeout(0.2)
+        deadline = time.monotonic() + seconds
+        drained = 0
+        while drained < limit and time.monotonic() < deadline:
+            try:
+                chunk = stream.sock.recv(1 << 20)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            drained += len(chunk)
+    stream.close()
 
 
 def layout_mismatch(learner_id: int, theirs: bytes, ours: bytes) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -35,8 +36,9 @@ import torch
 from yeto_core.client import Connected, Lost, PushJob, Received, SyncerClient
 from yeto_core.codecs import codec_by_name
 from yeto_core.layout import Layout, TensorSpec, build_layout, specs_from_named_tensors
+from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult, measure_link
 from yeto_core.settings import LearnerSettings
-from yeto_core.wire.errors import ErrorCode, Refused
+from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import Bcast, Bye, Final, Pull
 
 log = logging.getLogger("yeto.learner")
@@ -59,6 +61,7 @@ class LearnerStats:
     installs: int = 0
     final_installed: bool = False
     connected_generations: list[int] = field(default_factory=list)
+    probe: ProbeResult | None = None
 
 
 class LearnerSession:
@@ -140,7 +143,14 @@ class LearnerSession:
         return self._init_cache
 
     def start(self) -> None:
-        """Connect, and wait (at most `init_timeout_s`) for the initial cut before training."""
+        """Connect, and wait (at most `init_timeout_s`) for the initial cut before training.
+
+        With a minimum link rate set, the link is probed first; a too-slow island exits with
+        code 75 and says what it measured, before it joins (so a supervisor can place it anew).
+        """
+        s = self.settings
+        if s.wan_probe_min_mbps > 0 or s.wan_probe_min_down_mbps > 0:
+            self._probe_link()
         self.client.start()
         deadline = time.monotonic() + self.settings.init_timeout_s
         while not self._all_installed():
@@ -158,6 +168,25 @@ class LearnerSession:
         self._init_cache = None
         log.info("learner %d: initial cut installed (%d fragments)", self.settings.learner_id,
                  len(self.fragments))
+
+    def _probe_link(self) -> None:
+        s = self.settings
+        nbytes = s.wan_probe_mib << 20
+        try:
+            result = measure_link(s.address, s.read_key(), up_bytes=nbytes, down_bytes=nbytes)
+        except (OSError, WireError) as exc:
+            why = f"the bandwidth probe to {s.syncer} failed ({exc})"
+        else:
+            self.stats.probe = result
+            log.info("learner %d: link to %s measured %.0f Mbit/s up, %.0f Mbit/s down", s.learner_id, s.syncer,
+                     result.up_mbps, result.down_mbps)
+            if result.up_mbps >= s.wan_probe_min_mbps and result.down_mbps >= s.wan_probe_min_down_mbps:
+                return
+            why = (f"link to {s.syncer} measured {result.up_mbps:.1f} Mbit/s up and {result.down_mbps:.1f} Mbit/s "
+                   f"down; YETO_DILOCO_WAN_PROBE_MIN_MBPS={s.wan_probe_min_mbps:g}, "
+                   f"YETO_DILOCO_WAN_PROBE_MIN_DOWN_MBPS={s.wan_probe_min_down_mbps:g}")
+        print(f"yeto learner {s.learner_id}: too slow to join: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(PROBE_EXIT_CODE)
 
     def _all_installed(self) -> bool:
         return bool(self.fragments) and all(f.version >= 0 for f in self.fragments)

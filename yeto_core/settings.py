@@ -69,6 +69,9 @@ class LearnerSettings(BaseSettings):
     wan_stall_timeout_s: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
     bcast_delta: bool = Field(default=False, description="take broadcasts as bf16 deltas against a shared anchor")
     wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
+    wan_probe_min_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this upload rate (0: no probe)")
+    wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this download rate")
+    wan_probe_mib: int = Field(default=16, ge=1, le=1024, description="MiB moved each way by the bandwidth probe")
     fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
 
     @field_validator("syncer")

@@ -21,10 +21,12 @@ from yeto_core.wire.messages import (
     HELLO_SENDS_MANIFEST,
     MAGIC,
     MAX_CONTROL_BODY,
+    MAX_PROBE_BYTES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Attach,
     Bcast,
+    BwProbe,
     Bye,
     Challenge,
     Done,
@@ -232,10 +234,20 @@ GOLDEN = [
         "5945544f" "01" "0f" "0000" "08000000",  # 8-byte body
         (("step", "e803000000000000"),),
     ),
+    Golden(
+        BwProbe(1 << 20, 2 << 20, bytes(range(32))),
+        "5945544f" "01" "10" "0000" "30000000",  # 48-byte body
+        (
+            ("up", "0000100000000000"),  # 1 MiB
+            ("down", "0000200000000000"),  # 2 MiB
+            ("mac", bytes(range(32)).hex()),
+        ),
+    ),
 ]
 
 # Extremes and odd values next to the golden ones: every field at its widest, empty strings, non-ASCII.
 EXTREMES: list[Message] = [
+    BwProbe(MAX_PROBE_BYTES, 0),
     Challenge(b"\xff" * 32, U32_MAX, ""),
     Challenge(NONCE, 1, "strided-ünïcødé-✓"),
     Hello(U32_MAX, 255, FPRINT, 255, U32_MAX, U32_MAX, CNONCE),  # default all-zero mac
@@ -387,7 +399,7 @@ def test_parse_header_rejects_other_versions(version: int) -> None:
         parse_header(_header(version=version))
 
 
-@pytest.mark.parametrize("mtype", [0, 16, 200, 255])
+@pytest.mark.parametrize("mtype", [0, 17, 200, 255])
 def test_parse_header_rejects_unknown_types(mtype: int) -> None:
     with pytest.raises(ProtocolError, match=f"unknown frame type {mtype}"):
         parse_header(_header(mtype=mtype))
@@ -564,7 +576,7 @@ def test_error_codes_are_pinned() -> None:
 def test_message_type_numbers_are_pinned() -> None:
     assert {t.name: int(t) for t in MsgType} == {
         "CHALLENGE": 1, "HELLO": 2, "WELCOME": 3, "ATTACH": 4, "ERROR": 5, "CHUNK": 6, "MANIFEST": 7, "INIT": 8,
-        "PULL": 9, "PUSH": 10, "BCAST": 11, "FINAL": 12, "HEARTBEAT": 13, "BYE": 14, "DONE": 15,
+        "PULL": 9, "PUSH": 10, "BCAST": 11, "FINAL": 12, "HEARTBEAT": 13, "BYE": 14, "DONE": 15, "BW_PROBE": 16,
     }
 
 
@@ -592,3 +604,9 @@ def test_manifest_with_many_specs_round_trips() -> None:
     frame = encode_frame(msg)
     kind, length = parse_header(frame[: HEADER.size])
     assert decode_body(kind, frame[HEADER.size : HEADER.size + length]) == msg
+
+
+def test_a_probe_larger_than_the_bound_is_refused_on_decode() -> None:
+    body = BodyWriter().u64(MAX_PROBE_BYTES + 1).u64(0).fixed(bytes(32), 32).getvalue()
+    with pytest.raises(ProtocolError, match="BW_PROBE asks for"):
+        BwProbe.decode(body)

@@ -17,6 +17,7 @@ from yeto_core.wire.messages import NONCE_BYTES, TOKEN_BYTES
 HELLO_LABEL = b"yeto-hello-v1"
 WELCOME_LABEL = b"yeto-welcome-v1"
 ATTACH_LABEL = b"yeto-attach-v1"
+PROBE_LABEL = b"yeto-probe-v1"
 
 
 def new_nonce() -> bytes:

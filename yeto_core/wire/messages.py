@@ -50,6 +50,7 @@ class MsgType(IntEnum):
     HEARTBEAT = 13
     BYE = 14
     DONE = 15
+    BW_PROBE = 16
 
 
 class Message(abc.ABC):
@@ -458,10 +459,38 @@ class Done(Message):
         return msg
 
 
+MAX_PROBE_BYTES = 1 << 30  # per direction
+
+
+@dataclass(frozen=True, slots=True)
+class BwProbe(Message):
+    """A bandwidth probe on a connection of its own (never part of a session). The learner sends
+    it, sealed with HMAC(key, b"yeto-probe-v1" | nonce | up | down), then `up` raw bytes; the
+    syncer answers BW_PROBE (its own seal over the same fields) once they arrived, then sends
+    `down` raw bytes. Each side is bounded by MAX_PROBE_BYTES."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BW_PROBE
+    up: int
+    down: int
+    mac: bytes = b"\0" * MAC_BYTES
+
+    def encode(self) -> bytes:
+        return BodyWriter().u64(self.up).u64(self.down).fixed(self.mac, MAC_BYTES).getvalue()
+
+    @classmethod
+    def decode(cls, body: bytes | memoryview) -> BwProbe:
+        r = BodyReader(body, "BW_PROBE")
+        msg = cls(r.u64("up"), r.u64("down"), r.fixed(MAC_BYTES, "mac"))
+        r.end()
+        if msg.up > MAX_PROBE_BYTES or msg.down > MAX_PROBE_BYTES:
+            raise ProtocolError(f"BW_PROBE asks for {msg.up}/{msg.down} bytes (bound {MAX_PROBE_BYTES} each way)")
+        return msg
+
+
 MESSAGE_TYPES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Attach, Error, Manifest, Init, Pull, Push, Bcast, Final, Heartbeat,
-                Bye, Done)
+                Bye, Done, BwProbe)
 }
 
 
