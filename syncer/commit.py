@@ -18,7 +18,7 @@ from syncer.correction import HelocoConfig, heloco_correct
 from syncer.merge import Segment, accurate_norm, check_finite, learner_weights, merge_deltas, outer_gradient
 from syncer.outer import OuterOptimizer
 from syncer.rounds import Answer
-from yeto_core.codecs import F32, codec_by_id
+from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
 from yeto_core.wire.messages import Push
 
@@ -59,28 +59,30 @@ def merge_round(
                         (time.perf_counter() - t0) * 1000)
 
 
-def payload_problem(layout: Layout, msg: Push, payload: memoryview | None) -> str | None:
-    """Why a push's payload cannot be used, or None."""
+def payload_problem(layout: Layout, msg: Push, payload: memoryview | None, codec: Codec) -> str | None:
+    """Why a push's payload cannot be used under the session's agreed `codec`, or None."""
     if msg.fragment >= layout.num_fragments:
         return f"fragment {msg.fragment} does not exist ({layout.num_fragments} fragments)"
     if msg.steps < 1:
         return "push reports zero steps"
-    try:
-        codec = codec_by_id(msg.codec)
-    except ValueError as exc:
-        return str(exc)
+    if msg.codec != codec.wire_id:
+        return f"push codec id {msg.codec} differs from the session contract ({codec.name}, id {codec.wire_id})"
     expected = codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
     if payload is None or len(payload) != expected:
         return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
     return None
 
 
-def decode_delta(layout: Layout, msg: Push, payload: memoryview) -> torch.Tensor | None:
-    """The push's f32 delta, or None when it holds NaN or Inf."""
-    codec = codec_by_id(msg.codec)
+def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec) -> torch.Tensor | str:
+    """The push's f32 delta, or why it cannot be used (a bad block header or scale, NaN, Inf)."""
     if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
         delta = torch.frombuffer(payload, dtype=torch.float32)
     else:
         delta = torch.empty(layout.fragments[msg.fragment].numel, dtype=torch.float32)
-        codec.decode(payload, delta)
-    return None if check_finite(delta.view(1, -1)) is not None else delta
+        try:
+            codec.decode(payload, delta)
+        except ValueError as exc:
+            return f"push for fragment {msg.fragment}: {exc}"
+    if check_finite(delta.view(1, -1)) is not None:
+        return f"delta for fragment {msg.fragment} contains NaN or Inf"
+    return delta

@@ -43,9 +43,10 @@ from syncer.rounds import (
 )
 from syncer.server import Got, Joined, Left, layout_mismatch
 from syncer.tape import EventTape
-from yeto_core.codecs import F32, tensor_bytes
+from yeto_core.codecs import F32, Codec, codec_by_id, tensor_bytes
 from yeto_core.downlink import DownlinkEncoder
 from yeto_core.layout import Layout, build_layout
+from yeto_core.quant import DEFAULT_BLOCK
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import (
@@ -88,6 +89,7 @@ class Link:
     generation: int
     group: ConnectionGroup
     fingerprint: bytes
+    codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
     bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
     finished: bool = False
     final_sent: bool = False
@@ -101,6 +103,7 @@ class Carried:
     msg: Push
     payload: memoryview
     generation: int
+    codec: Codec
 
 
 def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
@@ -232,6 +235,7 @@ class Coordinator:
             old.group.close(f"replaced by generation {ev.generation}")
             self._retire(old.group)
         link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint,
+                    codec=codec_by_id(ev.wire_dtype, block=ev.push_block or DEFAULT_BLOCK),
                     bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA))
         if ev.manifest is not None and self.layout is None:
             layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
@@ -361,7 +365,7 @@ class Coordinator:
             step_s = msg.step_us / 1e6
             old = self.step_s.get(lid)
             self.step_s[lid] = step_s if old is None else (1 - EMA) * old + EMA * step_s
-        problem = payload_problem(self.layout, msg, payload)
+        problem = payload_problem(self.layout, msg, payload, link.codec)
         if problem is None:
             fate, problem = self._judge(link, msg)
         else:
@@ -372,15 +376,15 @@ class Coordinator:
         assert payload is not None
         if fate is PushFate.CARRY:
             # Waits still encoded; decoded only when it joins the fragment's next round.
-            self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation)
+            self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation, link.codec)
             log.info("learner %d: push for round %d carried (%s)", lid, msg.round, problem)
             self.tape.append({"event": "carry", "learner": lid, "round": msg.round, "fragment": msg.fragment,
                               "base_version": msg.base_version, "reason": problem})
             self._attach_carried(msg.fragment)
             return
-        delta = decode_delta(self.layout, msg, payload)
-        if delta is None:
-            self._refuse_push(link, msg, f"delta for fragment {msg.fragment} contains NaN or Inf")
+        delta = decode_delta(self.layout, msg, payload, link.codec)
+        if isinstance(delta, str):
+            self._refuse_push(link, msg, delta)
             return
         attempt = self.attempts[msg.round]
         attempt.answers[lid] = Answer(lid, link.generation, msg.tokens, msg.steps, delta.to(self.device),
@@ -418,8 +422,9 @@ class Coordinator:
         for lid, c in sorted(held.items()):
             if lid in attempt.answers and not attempt.answers[lid].carried:
                 continue
-            delta = decode_delta(self.layout, c.msg, c.payload)
-            if delta is None:
+            delta = decode_delta(self.layout, c.msg, c.payload, c.codec)
+            if isinstance(delta, str):
+                log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
                 continue
             attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
                                           c.msg.base_version, carried=True)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from yeto_core.codecs import CODECS
+from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
 from yeto_core.layout import build_layout
 from yeto_core.probe import serve_probe
 from yeto_core.wire import auth
@@ -40,7 +40,7 @@ from yeto_core.wire.transport import ConnectionGroup, Stream, tune_socket
 
 log = logging.getLogger("yeto.syncer.server")
 
-WIRE_IDS = {c.wire_id for c in CODECS.values()}
+MAX_PUSH_BLOCK = 1 << 20
 MAX_PROBES = 64
 PROBE_TIMEOUT_S = 300.0
 
@@ -54,6 +54,7 @@ class Joined:
     wire_dtype: int
     manifest: Manifest | None
     flags: int = 0
+    push_block: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +215,12 @@ class SyncerServer:
         if hello.chunk_bytes != CHUNK_BYTES:
             raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} uses {hello.chunk_bytes}-byte chunks; "
                                    f"this syncer uses {CHUNK_BYTES}")
-        if hello.wire_dtype not in WIRE_IDS:
+        if hello.wire_dtype not in WIRE_CODEC_NAMES:
             raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for unknown wire dtype {hello.wire_dtype}")
+        quantized = WIRE_CODEC_NAMES[hello.wire_dtype] not in CODECS
+        if quantized and not 1 <= hello.push_block <= MAX_PUSH_BLOCK:
+            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for push block size {hello.push_block} "
+                                   f"(1..{MAX_PUSH_BLOCK})")
         if not 1 <= hello.data_streams <= 64:
             raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for {hello.data_streams} data streams (1..64)")
         pinned = self._pinned()
@@ -279,7 +284,8 @@ class SyncerServer:
             heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,
             schedule=self._schedule,
         )
-        self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags))
+        self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags,
+                          p.hello.push_block))
         group.start()
 
     def _expire_pending(self) -> None:

@@ -226,8 +226,9 @@ class SyncerClient:
             # syncer without state can build the layout and bound every transfer before any bulk byte.
             sends_manifest = self._init_values is not None
             flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
+            block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
             hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
-                          flags, client_nonce)
+                          flags, client_nonce, push_block=block)
             hello = dataclasses.replace(hello, mac=auth.sign(self._key, auth.HELLO_LABEL, challenge.nonce,
                                                               hello.signed_part()))
             control.send_frame(hello)

@@ -7,6 +7,10 @@ back. Bytes are little-endian. ``wire_id`` goes on the wire, so the numbers neve
 - ``bf16`` (id 2): the upper 16 bits after round-to-nearest-even — the very conversion torch
   performs in ``tensor.to(torch.bfloat16)``, because encoding goes through torch's own kernel.
   Decoding widens exactly (bf16 bits << 16).
+- ``int8`` (id 3), ``int4`` (id 4), ``e3m0`` (id 5), ``int4-log`` (id 6): block-quantized, with a
+  block size agreed out of band and repeated in a payload header; see ``yeto_core.quant``.
+  ``CODECS`` holds only the codecs without a block size; ``codec_by_name``/``codec_by_id`` (and
+  ``quant_codec``) also give the quantized ones, at ``block`` values a block (default 128).
 
 Bulk buffers are tens to hundreds of MiB, so both directions write straight into the buffers
 they are given: the wire buffer is viewed as a tensor (``torch.frombuffer``) or array
@@ -27,14 +31,18 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from yeto_core.quant import DEFAULT_BLOCK, QUANT_WIRE_IDS, quant_codec
+
 __all__ = [
     "BF16",
     "CODECS",
     "F32",
+    "WIRE_CODEC_NAMES",
     "Codec",
     "bf16_round_reference",
     "codec_by_id",
     "codec_by_name",
+    "quant_codec",
 ]
 
 # torch.frombuffer views bytes in host order; the wire is little-endian.
@@ -123,19 +131,32 @@ CODECS: dict[str, Codec] = {c.name: c for c in (F32, BF16)}
 _BY_ID: dict[int, Codec] = {c.wire_id: c for c in CODECS.values()}
 
 
-def codec_by_name(name: str) -> Codec:
+# Every codec a push may name, by wire id: the fixed ones above and the block-quantized ones.
+WIRE_CODEC_NAMES: dict[int, str] = {c.wire_id: c.name for c in CODECS.values()} | {
+    i: n for n, i in QUANT_WIRE_IDS.items()
+}
+
+
+def codec_by_name(name: str, *, block: int = DEFAULT_BLOCK) -> Codec:
+    """The codec called ``name``; ``block`` is the block size of a quantized codec (others ignore it)."""
+    if name in QUANT_WIRE_IDS:
+        return quant_codec(name, block)
     try:
         return CODECS[name]
     except KeyError:
-        raise ValueError(f"unknown codec {name!r}; accepted: {', '.join(CODECS)}") from None
+        accepted = ", ".join([*CODECS, *QUANT_WIRE_IDS])
+        raise ValueError(f"unknown codec {name!r}; accepted: {accepted}") from None
 
 
-def codec_by_id(wire_id: int) -> Codec:
-    try:
+def codec_by_id(wire_id: int, *, block: int = DEFAULT_BLOCK) -> Codec:
+    """The codec with ``wire_id``; ``block`` is the block size of a quantized codec (others ignore it)."""
+    if wire_id in _BY_ID:
         return _BY_ID[wire_id]
-    except KeyError:
-        known = ", ".join(f"{i} ({c.name})" for i, c in sorted(_BY_ID.items()))
-        raise ValueError(f"unknown codec wire id {wire_id!r}; known: {known}") from None
+    name = WIRE_CODEC_NAMES.get(wire_id)
+    if name is None:
+        known = ", ".join(f"{i} ({n})" for i, n in sorted(WIRE_CODEC_NAMES.items()))
+        raise ValueError(f"unknown codec wire id {wire_id!r}; known: {known}")
+    return quant_codec(name, block)
 
 
 def bf16_round_reference(bits_f32: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint16]:

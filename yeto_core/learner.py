@@ -75,7 +75,7 @@ class LearnerSession:
         self.settings = settings
         self.params: dict[str, torch.Tensor] = dict(named_params)
         self.specs: list[TensorSpec] = specs_from_named_tensors(named_params, embedding_names)
-        self.codec = codec_by_name(settings.wire_dtype)
+        self.codec = codec_by_name(settings.wire_dtype, block=settings.push_block)
         self.layout: Layout | None = None
         self.fragments: list[FragmentState] = []
         self.stats = LearnerStats()

@@ -58,7 +58,9 @@ class LearnerSettings(BaseSettings):
     learner_id: int = Field(default=0, ge=0, lt=2**32, description="this island's id; learner 0 sends INIT")
     sync_interval: int = Field(default=24, ge=1, description="H: inner steps per fragment round trip")
     merge_alpha: float = Field(default=0.5, ge=0.0, le=1.0, description="θ ← α·θ_local + (1−α)·Θ_global")
-    wire_dtype: Literal["f32", "bf16"] = Field(default="f32", description="dtype of pushed deltas")
+    wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
+        default="f32", description="dtype of pushed deltas (the block-quantized ones use push_block)")
+    push_block: int = Field(default=128, ge=1, le=1 << 20, description="values per scale of quantized pushes")
     data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
     connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline of one dial + handshake")
     init_timeout_s: float = Field(default=600.0, ge=0, description="wait for the initial cut at start")

@@ -77,3 +77,34 @@ def test_delta_broadcasts_track_the_syncer_and_the_final_cut_is_exact(procs: Pro
     for island in islands:
         for name, param in island.model.named_parameters():
             assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("first", "second"), [("int8", "int4"), ("e3m0", "int4-log")])
+def test_block_quantized_pushes_merge_into_one_model(procs: Procs, key_file: Path, first: str, second: str) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4, total_rounds=ROUNDS)
+    assert syncer.checkpoint is not None and syncer.tape is not None
+    islands = [Island(syncer, key_file, 0, wire_dtype=first, push_block=64),
+               Island(syncer, key_file, 1, wire_dtype=second, push_block=32)]
+    try:
+        islands[0].start()
+        islands[1].start()
+        deadline = time.monotonic() + 90
+        while not all(i.finished for i in islands) and time.monotonic() < deadline:
+            for island in islands:
+                if not island.finished:
+                    island.train_step()
+            time.sleep(0.002)
+        assert all(i.finished for i in islands), "the final cut did not reach both islands"
+        assert all(i.session.stats.push_failures == 0 for i in islands)
+    finally:
+        for island in islands:
+            island.close()
+    assert syncer_exit_code(syncer) == 0
+    records = read_tape(syncer.tape)
+    assert not [r for r in records if r["event"] == "refused"], "a quantized push was refused"
+    assert [c["learners"] for c in commits(records)] == [[0, 1]] * ROUNDS
+    reference = checkpoint_params(syncer.checkpoint)
+    for island in islands:
+        for name, param in island.model.named_parameters():
+            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"

@@ -8,7 +8,7 @@ from syncer.correction import HelocoConfig
 from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
 from syncer.outer import Nesterov, make_outer_optimizer
 from syncer.rounds import Answer
-from yeto_core.codecs import BF16, F32, tensor_bytes
+from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import Push
 
@@ -71,19 +71,33 @@ def push(codec_id: int, nbytes: int, steps: int = 2, fragment: int = 0) -> Push:
 
 def test_payload_checks_name_the_problem() -> None:
     layout = build_layout([TensorSpec("w", (5,), "float32")], 1)
-    assert payload_problem(layout, push(F32.wire_id, 20), memoryview(bytes(20))) is None
-    assert "expected 20" in str(payload_problem(layout, push(F32.wire_id, 16), memoryview(bytes(16))))
-    assert "expected 10 (bf16)" in str(payload_problem(layout, push(BF16.wire_id, 20), memoryview(bytes(20))))
-    assert "zero steps" in str(payload_problem(layout, push(F32.wire_id, 20, steps=0), memoryview(bytes(20))))
-    assert "does not exist" in str(payload_problem(layout, push(F32.wire_id, 20, fragment=3), memoryview(bytes(20))))
+    zeros = memoryview(bytes(20))
+    assert payload_problem(layout, push(F32.wire_id, 20), zeros, F32) is None
+    assert "expected 20" in str(payload_problem(layout, push(F32.wire_id, 16), memoryview(bytes(16)), F32))
+    assert "expected 10 (bf16)" in str(payload_problem(layout, push(BF16.wire_id, 20), zeros, BF16))
+    assert "zero steps" in str(payload_problem(layout, push(F32.wire_id, 20, steps=0), zeros, F32))
+    assert "does not exist" in str(payload_problem(layout, push(F32.wire_id, 20, fragment=3), zeros, F32))
+    assert "differs from the session contract (f32, id 1)" in str(
+        payload_problem(layout, push(BF16.wire_id, 10), memoryview(bytes(10)), F32))
 
 
 def test_decode_refuses_nan_and_reads_bf16() -> None:
     layout = build_layout([TensorSpec("w", (4,), "float32")], 1)
     good = torch.tensor([1.0, -2.0, 0.5, 3.0])
-    assert torch.equal(decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(good.clone())), good)  # type: ignore[arg-type]
+    got = decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(good.clone()), F32)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, good)
     bad = torch.tensor([1.0, float("nan"), 0.0, 0.0])
-    assert decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(bad)) is None
+    assert "NaN or Inf" in str(decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(bad), F32))
     encoded = bytearray(8)
     BF16.encode(good, memoryview(encoded))
-    assert torch.equal(decode_delta(layout, push(BF16.wire_id, 8), memoryview(encoded)), good)  # type: ignore[arg-type]
+    got = decode_delta(layout, push(BF16.wire_id, 8), memoryview(encoded), BF16)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, good)
+
+
+def test_decode_refuses_a_quantized_push_with_the_wrong_block_size() -> None:
+    layout = build_layout([TensorSpec("w", (256,), "float32")], 1)
+    sender, agreed = codec_by_name("int8", block=64), codec_by_name("int8", block=128)
+    encoded = bytearray(sender.encoded_nbytes(256))
+    sender.encode(torch.randn(256), memoryview(encoded))
+    problem = decode_delta(layout, push(sender.wire_id, len(encoded)), memoryview(encoded), agreed)
+    assert isinstance(problem, str) and "block size 64 in the payload, 128 agreed" in problem

@@ -94,8 +94,8 @@ GOLDEN = [
         ),
     ),
     Golden(
-        Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC),
-        "5945544f" "01" "02" "0000" "6e000000",  # 110-byte body
+        Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC, 128),
+        "5945544f" "01" "02" "0000" "72000000",  # 114-byte body
         (
             ("learner_id", "07000000"),
             ("data_streams", "02"),
@@ -104,6 +104,7 @@ GOLDEN = [
             ("chunk_bytes", "00004000"),  # 0x00400000 = 4 MiB
             ("flags", "01000000"),
             ("client_nonce", CNONCE_HEX),
+            ("push_block", "80000000"),  # 128
             ("mac", MAC_HEX),
         ),
     ),

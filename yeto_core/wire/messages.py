@@ -113,6 +113,7 @@ class Hello(Message):
     flags: int
     client_nonce: bytes
     mac: bytes = b"\0" * MAC_BYTES
+    push_block: int = 0  # block size of a block-quantized wire dtype (part of the contract; 0 otherwise)
 
     def signed_part(self) -> bytes:
         return (
@@ -124,6 +125,7 @@ class Hello(Message):
             .u32(self.chunk_bytes)
             .u32(self.flags)
             .fixed(self.client_nonce, NONCE_BYTES)
+            .u32(self.push_block)
             .getvalue()
         )
 
@@ -141,6 +143,7 @@ class Hello(Message):
             chunk_bytes=r.u32("chunk_bytes"),
             flags=r.u32("flags"),
             client_nonce=r.fixed(NONCE_BYTES, "client_nonce"),
+            push_block=r.u32("push_block"),
             mac=r.fixed(MAC_BYTES, "mac"),
         )
         r.end()

@@ -1,0 +1,332 @@
+"""Block-quantized push codecs (SPEC §4.4): ``int8``, ``int4``, ``e3m0`` and ``int4-log``.
+
+Every payload has the same container, little-endian throughout::
+
+    u32 B                               block size, checked against the agreed one on decode
+    per block of B values (the last block may be shorter, L values):
+        f32 scale                       finite and ≥ 0
+        codes                           int8: one byte per value
+                                        4-bit: ceil(n/2) bytes, two codes a byte, low nibble first
+
+so ``encoded_nbytes(numel) = 4 + nblocks·4 + numel`` for int8 and
+``4 + nblocks·4 + nfull·ceil(B/2) + ceil(L/2)`` for the 4-bit codecs. An empty tensor is the
+4-byte header alone. For each block, ``A`` is its largest magnitude (its absmax):
+
+``int8`` (wire id 3)
+    ``scale = A/127``, ``q = round(x/scale)`` clamped to [-127, 127], decoded as ``q·scale``.
+    Worst-case error ``A/254``.
+``int4`` (wire id 4)
+    ``scale = A/7``, ``q = round(x/scale)`` clamped to [-7, 7], stored as the code ``q + 8``
+    (1..15; encoders never write 0, and a decoder reads a 0 as -8). Worst-case error ``A/14``.
+``e3m0`` (wire id 5)
+    ``scale = A``; a code is a sign bit (bit 3) and a 3-bit exponent e: magnitude
+    ``scale·2^(e-7)`` for e = 1..7 and zero for e = 0 (levels ``A·{0, 2^-6, …, 2^-1, 1}``).
+    The nearest level *in linear space* is chosen. Worst-case error ``A/4`` (halfway between
+    A/2 and A).
+``int4-log`` (wire id 6)
+    ``scale = A``; a code is a sign bit (bit 3) and a 3-bit level index k: magnitude
+    ``scale·2^((k-7)/2)`` for k = 1..7 and zero for k = 0 — half-octave steps,
+    ``A·{0, 2^-3, 2^-2.5, 2^-2, 2^-1.5, 2^-1, 2^-0.5, 1}`` (the float32 values in
+    ``INT4_LOG_LEVELS``), nearest level in linear space. Worst-case error ``A·(1 - 2^-0.5)/2``
+    ≈ ``0.1464·A`` (halfway between A·2^-0.5 and A).
+
+A block of zeros has scale 0 and all codes zero-valued. Ties round to even for the linear
+codecs (``torch.round``); for the level codecs a value exactly on a midpoint goes down to zero at
+the first midpoint and up elsewhere, and float32 rounding of ``|x|/A`` may pick either neighbour
+within a few ulps of a midpoint (which the float32 slack below covers). The bounds
+above hold up to float32 rounding: every test allows ``A·2^-21 + 2^-148`` on top. To keep them
+for subnormal blocks, the linear codecs round the stored scale *up* by one ulp whenever
+``qmax·scale < A`` in float32 (and so never store a zero scale for a non-zero block), and down by
+one ulp where ``qmax·scale`` would overflow to infinity (A near float32's max); otherwise the scale
+is exactly ``fl(A/qmax)``. A decoder accepts any finite scale ≥ 0, so a hostile payload can still
+decode to ±inf (e.g. scale 3e38 with q = 127): callers that need finite deltas check them.
+
+Work runs in chunks of about 4 MiB of input with torch ops into buffers allocated once per call:
+no Python loop over elements or blocks, no ``torch.compile``. A non-CPU tensor is staged through
+CPU buffers chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "E3M0_LEVELS",
+    "ERROR_BOUNDS",
+    "INT4_LOG_LEVELS",
+    "MAX_BLOCK",
+    "QUANT_WIRE_IDS",
+    "QuantCodec",
+    "quant_codec",
+]
+
+DEFAULT_BLOCK = 128
+MAX_BLOCK = 1 << 20
+_CHUNK_VALUES = (4 << 20) // 4  # 4 MiB of float32 input per chunk
+_TINY = float(np.finfo(np.float32).smallest_subnormal)  # 2^-149
+
+QUANT_WIRE_IDS: dict[str, int] = {"int8": 3, "int4": 4, "e3m0": 5, "int4-log": 6}
+
+# Level magnitudes (multiples of the block scale) by 3-bit index, exactly as float32.
+E3M0_LEVELS: tuple[float, ...] = (0.0, *(math.ldexp(1.0, e - 7) for e in range(1, 8)))
+_SQRT_HALF = math.sqrt(0.5)  # correctly rounded by IEEE 754, so the table is the same everywhere
+INT4_LOG_LEVELS: tuple[float, ...] = tuple(
+    float(np.float32(0.0 if k == 0 else math.ldexp(1.0 if (7 - k) % 2 == 0 else _SQRT_HALF, -((7 - k) // 2))))
+    for k in range(8)
+)
+
+# Worst-case |x - decoded| as a fraction of the block absmax, before float32 rounding.
+ERROR_BOUNDS: dict[str, float] = {
+    "int8": 1 / 254,
+    "int4": 1 / 14,
+    "e3m0": 1 / 4,
+    "int4-log": (1.0 - INT4_LOG_LEVELS[6]) / 2,
+}
+
+_LEVELS = {"e3m0": E3M0_LEVELS, "int4-log": INT4_LOG_LEVELS}
+_QMAX = {"int8": 127, "int4": 7}
+
+
+def _code_values(name: str) -> np.ndarray:
+    """The multiplier of the scale that each 4-bit code decodes to."""
+    codes = np.arange(16)
+    if name == "int4":
+        return (codes - 8).astype(np.float32)
+    levels = np.asarray(_LEVELS[name], dtype=np.float32)
+    return np.where(codes & 8, -1.0, 1.0).astype(np.float32) * levels[codes & 7]
+
+
+class QuantCodec:
+    """One block-quantized codec at one block size; satisfies ``yeto_core.codecs.Codec``."""
+
+    __slots__ = ("_pair_table", "_qmax", "_t0", "_t1", "block", "name", "wire_id")
+
+    def __init__(self, name: str, block: int = DEFAULT_BLOCK) -> None:
+        if name not in QUANT_WIRE_IDS:
+            raise ValueError(f"unknown quantized codec {name!r}; accepted: {', '.join(QUANT_WIRE_IDS)}")
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
+            raise ValueError(f"block size must be an integer in [1, {MAX_BLOCK}], got {block!r}")
+        self.name = name
+        self.wire_id = QUANT_WIRE_IDS[name]
+        self.block = block
+        self._qmax = _QMAX.get(name, 0)
+        self._t0 = self._t1 = 0.0
+        self._pair_table: torch.Tensor | None = None
+        if name in _LEVELS:
+            levels = np.asarray(_LEVELS[name], dtype=np.float64)
+            mids = ((levels[:-1] + levels[1:]) / 2).astype(np.float32)
+            self._t0, self._t1 = float(mids[0]), float(mids[1])
+        if name != "int8":
+            values = _code_values(name)
+            byte = np.arange(256)
+            # One gather per packed byte yields its two values, low nibble first.
+            self._pair_table = torch.from_numpy(np.stack([values[byte & 15], values[byte >> 4]], axis=1))
+
+    def __repr__(self) -> str:
+        return f"quant_codec({self.name!r}, block={self.block})"
+
+    def _code_bytes(self, n: int) -> int:
+        return n if self.name == "int8" else (n + 1) // 2
+
+    def encoded_nbytes(self, numel: int) -> int:
+        nfull, last = divmod(numel, self.block)
+        total = 4 + nfull * (4 + self._code_bytes(self.block))
+        return total + (4 + self._code_bytes(last) if last else 0)
+
+    # ---- encode -------------------------------------------------------------------------------
+
+    def encode(self, src: torch.Tensor, out: memoryview) -> None:
+        if src.dtype != torch.float32 or src.dim() != 1 or not src.is_contiguous():
+            raise ValueError(
+                f"{self.name} encode needs a contiguous 1-D float32 tensor, "
+                f"got dtype {src.dtype} shape {tuple(src.shape)} contiguous={src.is_contiguous()}"
+            )
+        numel = src.numel()
+        dst = _as_bytes(self.name, out, self.encoded_nbytes(numel))
+        if dst.readonly:
+            raise ValueError(f"{self.name} encode needs a writable output buffer")
+        struct.pack_into("<I", dst, 0, self.block)
+        if not numel:
+            return
+        wire = torch.frombuffer(dst, dtype=torch.uint8)
+        for first, x, w in self._pieces(src, wire):
+            self._encode_blocks(first, x, w)
+
+    def _pieces(self, flat: torch.Tensor, wire: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(first block index, values [nb, b], wire rows [nb, 4 + code bytes]) chunk by chunk."""
+        b = self.block
+        nfull, last = divmod(flat.numel(), b)
+        stride = 4 + self._code_bytes(b)
+        per = max(1, _CHUNK_VALUES // b)
+        for b0 in range(0, nfull, per):
+            nb = min(per, nfull - b0)
+            yield (
+                b0,
+                flat[b0 * b : (b0 + nb) * b].view(nb, b),
+                wire[4 + b0 * stride : 4 + (b0 + nb) * stride].view(nb, stride),
+            )
+        if last:
+            off = 4 + nfull * stride
+            yield nfull, flat[nfull * b :].view(1, last), wire[off:].view(1, -1)
+
+    def _encode_blocks(self, first: int, x: torch.Tensor, w: torch.Tensor) -> None:
+        nb, b = x.shape
+        if x.device.type != "cpu":
+            x = x.to("cpu")
+        work = torch.empty((nb, b), dtype=torch.float32)
+        torch.abs(x, out=work)
+        amax = torch.amax(work, dim=1)
+        finite = torch.isfinite(amax)
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0, 0])
+            col = int((~torch.isfinite(x[row])).nonzero()[0, 0])
+            where = (first + row) * self.block + col
+            raise ValueError(f"{self.name} encode: non-finite value {float(x[row, col])} at element {where}")
+        if self._qmax:
+            qmax = self._qmax
+            scale = amax / qmax
+            low = scale * qmax < amax
+            if bool(low.any()):  # round up so that x/scale never passes qmax (and no zero scale)
+                scale = torch.where(low, torch.nextafter(scale, torch.tensor(math.inf)), scale)
+            high = torch.isinf(scale * qmax)
+            if bool(high.any()):  # near float32's max: round down instead, so q·scale stays finite
+                scale = torch.where(high, torch.nextafter(scale, torch.tensor(0.0)), scale)
+            torch.div(x, scale.clamp_min(_TINY).unsqueeze(1), out=work)
+            work.round_().clamp_(-qmax, qmax)
+            if self.name == "int8":
+                w[:, 4:].view(torch.int8).copy_(work)
+            else:
+                work.add_(8)
+                self._pack(work, w)
+        else:
+            # Nearest level in linear space without a search: past the first midpoint t1 (between
+            # levels 1 and 2) the midpoints grow by the level ratio r (2, or √2 for int4-log), so
+            # index = 2 + floor(log_r(y/t1)), read off the float32 exponent of (y/t1)^(log2 r).
+            scale = amax
+            torch.div(x, amax.clamp_min(_TINY).unsqueeze(1), out=work)
+            negative = torch.lt(work, -self._t0)  # negative and not rounded to zero
+            work.abs_()
+            nonzero = torch.gt(work, self._t0)
+            work.div_(self._t1)
+            if self.name == "int4-log":
+                work.square_()
+            index = torch.bitwise_right_shift(work.view(torch.int32), 23)
+            index.sub_(127 - 2).clamp_(1, 7).mul_(nonzero).add_(negative, alpha=8)
+            self._pack(index, w)
+        w[:, :4].copy_(scale.contiguous().view(torch.uint8).view(nb, 4))
+
+    def _pack(self, codes: torch.Tensor, w: torch.Tensor) -> None:
+        """Codes 0..15 [nb, b] → bytes, two a byte, low nibble first, into ``w[:, 4:]``."""
+        nb, b = codes.shape
+        width = b + (b & 1)
+        nibbles = torch.zeros((nb, width), dtype=torch.uint8) if b & 1 else torch.empty((nb, width), dtype=torch.uint8)
+        nibbles[:, :b].copy_(codes)
+        pairs = nibbles.view(torch.int16)  # little-endian: low nibble in bits 0-3, high in bits 8-11
+        packed = torch.bitwise_right_shift(pairs, 4)
+        packed.bitwise_or_(pairs).bitwise_and_(0xFF)
+        w[:, 4:].copy_(packed)
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def decode(self, buf: memoryview, out: torch.Tensor) -> None:
+        if out.dtype != torch.float32 or out.dim() != 1 or not out.is_contiguous():
+            raise ValueError(
+                f"{self.name} decode needs a contiguous 1-D float32 output tensor, "
+                f"got dtype {out.dtype} shape {tuple(out.shape)} contiguous={out.is_contiguous()}"
+            )
+        numel = out.numel()
+        expected = self.encoded_nbytes(numel)
+        raw = _as_bytes(self.name, buf, None)
+        if raw.nbytes >= 4:
+            (header,) = struct.unpack_from("<I", raw, 0)
+            if header != self.block:
+                raise ValueError(f"{self.name} payload: block size {header} in the payload, {self.block} agreed")
+        if raw.nbytes != expected:
+            raise ValueError(
+                f"{self.name} payload of {raw.nbytes} bytes, expected {expected} for {numel} values "
+                f"in blocks of {self.block} (truncated or padded)"
+            )
+        if not numel:
+            return
+        wire = np.frombuffer(raw, dtype=np.uint8)
+        pieces = list(self._pieces_np(numel, wire))
+        scales = np.empty(sum(rows.shape[0] for _, _, rows in pieces), dtype=np.float32)
+        for first, _, rows in pieces:
+            np.copyto(scales[first : first + rows.shape[0]].view(np.uint8).reshape(-1, 4), rows[:, :4])
+        bad = ~(np.isfinite(scales) & (scales >= 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{self.name} payload: block {i} has scale {float(scales[i])!r}, not a finite value ≥ 0")
+        scale_t = torch.from_numpy(scales)
+        for first, start, rows in pieces:
+            nb = rows.shape[0]
+            b = self.block if first * self.block + self.block <= numel else numel - first * self.block
+            target = out[start : start + nb * b].view(nb, b)
+            dest = target if out.device.type == "cpu" else torch.empty((nb, b), dtype=torch.float32)
+            self._decode_blocks(rows, scale_t[first : first + nb].unsqueeze(1), dest)
+            if dest is not target:
+                target.copy_(dest)
+
+    def _pieces_np(self, numel: int, wire: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(first block index, first value index, wire rows [nb, 4 + code bytes]) chunk by chunk."""
+        b = self.block
+        nfull, last = divmod(numel, b)
+        stride = 4 + self._code_bytes(b)
+        per = max(1, _CHUNK_VALUES // b)
+        for b0 in range(0, nfull, per):
+            nb = min(per, nfull - b0)
+            yield b0, b0 * b, wire[4 + b0 * stride : 4 + (b0 + nb) * stride].reshape(nb, stride)
+        if last:
+            yield nfull, nfull * b, wire[4 + nfull * stride :].reshape(1, -1)
+
+    def _decode_blocks(self, rows: np.ndarray, scale: torch.Tensor, dest: torch.Tensor) -> None:
+        nb, b = dest.shape
+        if self.name == "int8":
+            q = torch.empty((nb, b), dtype=torch.int8)
+            np.copyto(q.numpy(), rows[:, 4:].view(np.int8))
+            dest.copy_(q)
+            dest.mul_(scale)
+            return
+        width = rows.shape[1] - 4
+        packed = torch.empty((nb, width), dtype=torch.uint8)
+        np.copyto(packed.numpy(), rows[:, 4:])
+        assert self._pair_table is not None
+        index = packed.view(-1).to(torch.int32)
+        if b == 2 * width:
+            torch.index_select(self._pair_table, 0, index, out=dest.view(nb * width, 2))
+            dest.mul_(scale)
+        else:  # odd block: the last byte's high nibble is padding
+            pairs = torch.index_select(self._pair_table, 0, index).view(nb, 2 * width)
+            torch.mul(pairs[:, :b], scale, out=dest)
+
+
+def _as_bytes(name: str, buf: memoryview, expected: int | None) -> memoryview:
+    try:
+        raw = memoryview(buf).cast("B")
+    except TypeError as e:
+        raise ValueError(f"{name} buffer must be C-contiguous: {e}") from None
+    if expected is not None and raw.nbytes != expected:
+        raise ValueError(f"{name} buffer size mismatch: expected {expected} bytes, got {raw.nbytes}")
+    return raw
+
+
+def quant_codec(name: str, block: int = DEFAULT_BLOCK) -> QuantCodec:
+    """The block-quantized codec ``name`` (int8, int4, e3m0, int4-log) at block size ``block``.
+
+    The same (name, block) gives the same object, however the arguments are spelled.
+    """
+    if isinstance(block, bool):  # True == 1 would otherwise find block 1 in the cache
+        raise ValueError(f"block size must be an integer in [1, {MAX_BLOCK}], got {block!r}")
+    return _quant_codec(name, block)
+
+
+@functools.lru_cache(maxsize=64)
+def _quant_codec(name: str, block: int) -> QuantCodec:
+    return QuantCodec(name, block)
