@@ -106,6 +106,7 @@ def _probed_syncer(argv: list[str]) -> int:
     orig_get = transport.Reassembler._get
     orig_post = co.Coordinator.post
     orig_on_push = co.Coordinator._on_push
+    orig_on_decoded = co.Coordinator._on_decoded
     orig_check_finite = co.check_finite
 
     def get(self: Any, transfer: int, total: int) -> Any:
@@ -131,15 +132,21 @@ def _probed_syncer(argv: list[str]) -> int:
         finally:
             checks.append((t0, time.time()))
 
+    started: dict[int, float] = {}  # round -> when the coordinator took the push up
+
     def on_push(self: Any, link: Any, msg: Any, payload: Any) -> None:
         checks.clear()
-        t0 = time.time()
-        orig_on_push(self, link, msg, payload)
+        started[msg.round] = time.time()
+        orig_on_push(self, link, msg, payload)  # judges it and hands it to the decode pool
+
+    def on_decoded(self: Any, ev: Any) -> None:
+        orig_on_decoded(self, ev)  # stores the decoded, checked delta as the round's answer
         t1 = time.time()
-        attempt = self.attempts.get(msg.round)
-        accepted = attempt is not None and link.learner_id in attempt.answers
+        attempt = self.attempts.get(ev.msg.round)
+        accepted = attempt is not None and ev.learner_id in attempt.answers
         c0, c1 = checks[0] if checks else (t1, t1)
-        stamp(ev="ingested", round=msg.round, accepted=accepted, start=t0, check_start=c0, check_end=c1, t=t1)
+        stamp(ev="ingested", round=ev.msg.round, accepted=accepted, start=started.pop(ev.msg.round, t1),
+              check_start=c0, check_end=c1, t=t1)
 
     init_spans: dict[str, float] = {"pin": 0.0, "rx_alloc": 0.0, "store": 0.0}
     orig_pin = co.Coordinator._pin
@@ -180,6 +187,7 @@ def _probed_syncer(argv: list[str]) -> int:
     transport.Reassembler._get = get  # type: ignore[method-assign]
     co.Coordinator.post = post  # type: ignore[method-assign]
     co.Coordinator._on_push = on_push  # type: ignore[method-assign]
+    co.Coordinator._on_decoded = on_decoded  # type: ignore[method-assign]
     co.check_finite = check_finite  # type: ignore[assignment]  # INIT payloads
     cm.check_finite = check_finite  # type: ignore[assignment]  # PUSH payloads
     return main(argv)
@@ -191,7 +199,8 @@ def _probed_syncer(argv: list[str]) -> int:
 class ProbedSyncer:
     """The real syncer in a subprocess; probe lines and its listening line are read off stdout."""
 
-    def __init__(self, workdir: Path, key_file: Path, fragments: int, device: str) -> None:
+    def __init__(self, workdir: Path, key_file: Path, fragments: int, device: str, *, learners: int = 1,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.tape = workdir / "tape.jsonl"
         self.log_path = workdir / "syncer.log"
         self._probes: dict[tuple[str, int], dict[str, Any]] = {}
@@ -199,9 +208,9 @@ class ProbedSyncer:
         self._listening: queue.SimpleQueue[str] = queue.SimpleQueue()
         cmd = [
             sys.executable, "-m", "benchmarks.ingest", SYNCER_ROLE,
-            "--host", "127.0.0.1", "--port", "0", "--learners", "1", "--quorum", "1",
+            "--host", "127.0.0.1", "--port", "0", "--learners", str(learners), "--quorum", str(learners),
             "--fragments", str(fragments), "--key-file", str(key_file), "--tape", str(self.tape),
-            "--device", device, "--log-level", "INFO",
+            "--device", device, "--log-level", "INFO", *extra_args,
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         # stdin is a pipe only so that the child notices (EOF) if this process dies without cleaning up.
@@ -316,17 +325,19 @@ class _StampedCodec:
 
 
 class Learner:
-    """`SyncerClient` (learner 0) plus stamps at submit, at send completion and at INIT start."""
+    """`SyncerClient` (learner 0 by default, the one that uploads INIT) plus stamps at submit, at send
+    completion and at INIT start."""
 
-    def __init__(self, port: int, key: bytes, layout: Any, init: list[Any], streams: int) -> None:
+    def __init__(self, port: int, key: bytes, layout: Any, init: list[Any], streams: int, learner_id: int = 0) -> None:
         from yeto_core.client import SyncerClient
 
         self.layout = layout
         self.init_started: float | None = None
         self.sent_at: dict[int, float] = {}
         client = SyncerClient(
-            address=("127.0.0.1", port), key=key, learner_id=0, layout_for=self._layout_for,
-            data_streams=streams, init_values=lambda: None if client.initial_cut_received.is_set() else init,
+            address=("127.0.0.1", port), key=key, learner_id=learner_id, layout_for=self._layout_for,
+            data_streams=streams,
+            init_values=(lambda: None if client.initial_cut_received.is_set() else init) if learner_id == 0 else None,
         )
         orig_send_init, orig_send_push = client._send_init, client._send_push
         self.encode_span: dict[int, tuple[float, float]] = {}

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--outer-delay", type=int, help="N of delayed Nesterov: the momentum moves every N steps (default 4)")
     add("--delta-correction", choices=["heloco", "none"],
         help="correct deltas that oppose the outer momentum (HeLoCo, default) or not")
+    add("--decode-threads", type=int, help="threads that decode pushes beside the coordinator (default 2)")
     add("--merge-threads", type=int, help="CPU merge threads; every count gives the same bits (default 1)")
     add("--round-timeout-s", type=float, help="a round below quorum is retried after this (default 120)")
     add("--pipeline", type=int, help="rounds in flight on distinct fragments (default 2; 1 = serial)")

@@ -15,6 +15,7 @@ import queue
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,17 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Decoded:
+    """A push's delta (or the reason it is unusable), back from the decode pool."""
+
+    learner_id: int
+    generation: int
+    attempt: int
+    msg: Push
+    future: Future[torch.Tensor | str]
+
+
+@dataclass(frozen=True)
 class Carried:
     """A late push waiting, still encoded, for its fragment's next round."""
 
@@ -142,6 +154,7 @@ class Coordinator:
         self.layout: Layout | None = None
         self.segments: list[list[Segment]] = []
         self.sched = scheduler_config(settings)
+        self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
         self.outer = make_outer_optimizer(settings.outer_optimizer, lr=settings.outer_lr,
                                           momentum=settings.outer_momentum, delay=settings.outer_delay)
         self.outer_state: list[dict[str, Any]] = []  # per fragment, kept in the checkpoint
@@ -196,6 +209,7 @@ class Coordinator:
             if event is not None:
                 self._handle(event)
             self._advance()
+        self._decoders.shutdown(wait=True)
         groups = [link.group for link in self.links.values()] + self._closed_groups
         for group in groups:
             group.close("syncer stopped")
@@ -222,6 +236,8 @@ class Coordinator:
                 if link.final_sent:
                     link.acked = True
                 log.info("learner %d left (%s)", event.learner_id, event.reason)
+        elif isinstance(event, Decoded):
+            self._on_decoded(event)
         elif isinstance(event, Got):
             link = self.links.get(event.learner_id)
             if link is None or link.generation != event.generation:
@@ -382,13 +398,29 @@ class Coordinator:
                               "base_version": msg.base_version, "reason": problem})
             self._attach_carried(msg.fragment)
             return
-        delta = decode_delta(self.layout, msg, payload, link.codec)
+        # Decode (dequantize, check finiteness) on the decode pool, beside this thread and off the
+        # read loops; the answer is stored when `Decoded` comes back, if its attempt is still open.
+        layout, codec, attempt_id = self.layout, link.codec, msg.attempt
+        future = self._decoders.submit(decode_delta, layout, msg, payload, codec)
+        future.add_done_callback(lambda f: self.post(Decoded(lid, link.generation, attempt_id, msg, f)))
+
+    def _on_decoded(self, ev: Decoded) -> None:
+        link = self.links.get(ev.learner_id)
+        try:
+            delta = ev.future.result()
+        except Exception as exc:  # a decoder bug must not take the coordinator down
+            delta = f"decode failed: {exc}"
         if isinstance(delta, str):
-            self._refuse_push(link, msg, delta)
+            if link is not None and link.generation == ev.generation:
+                self._refuse_push(link, ev.msg, delta)
             return
-        attempt = self.attempts[msg.round]
-        attempt.answers[lid] = Answer(lid, link.generation, msg.tokens, msg.steps, delta.to(self.device),
-                                      msg.base_version, at=self.clock())
+        attempt = self.attempts.get(ev.msg.round)
+        if attempt is None or attempt.attempt != ev.attempt:
+            log.info("learner %d: push for round %d decoded after the attempt closed; dropped", ev.learner_id,
+                     ev.msg.round)
+            return
+        attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps,
+                                                delta.to(self.device), ev.msg.base_version, at=self.clock())
 
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         assert self.state is not None and self.layout is not None

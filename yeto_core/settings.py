@@ -115,6 +115,7 @@ class SyncerSettings(BaseSettings):
     outer_delay: int = Field(default=4, ge=1, description="N of delayed Nesterov: momentum moves every N steps")
     delta_correction: Literal["heloco", "none"] = Field(default="heloco", description="stale-delta correction")
     merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
+    decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")
     round_timeout_s: float = Field(default=120.0, gt=0, description="a round below quorum retries after this")
     pipeline: int = Field(default=2, ge=1, description="rounds in flight, on distinct fragments (1 = serial)")
     grace_ms: float = Field(default=5000.0, ge=0, description="cap of the adaptive grace window (0 disables)")
