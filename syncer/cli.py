@@ -13,7 +13,8 @@ from types import FrameType
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint
-from syncer.coordinator import Coordinator, backend_id
+from syncer.coordinator import Coordinator
+from syncer.links import backend_id
 from syncer.server import SyncerServer
 from syncer.tape import EventTape
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings

@@ -9,34 +9,29 @@ one log line.
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import sys
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from syncer.checkpoint import SyncerState, save_checkpoint
-from syncer.commit import decode_delta, merge_round, payload_problem
+from syncer.commit import merge_round
 from syncer.correction import HelocoConfig
+from syncer.intake import PushIntake
+from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id, scheduler_config
 from syncer.merge import Segment, check_finite
 from syncer.outer import ACCUM_KEY, COUNT_KEY, make_outer_optimizer
 from syncer.rounds import (
-    Answer,
     Attempt,
-    PushFate,
-    RoundState,
-    SchedulerConfig,
     Verdict,
     attempt_quorum,
     decide_round,
     fragment_of_round,
-    judge_push,
     pipeline_depth,
     round_interval,
     should_finalize,
@@ -44,7 +39,7 @@ from syncer.rounds import (
 )
 from syncer.server import Got, Joined, Left, layout_mismatch
 from syncer.tape import EventTape
-from yeto_core.codecs import F32, Codec, codec_by_id, tensor_bytes
+from yeto_core.codecs import F32, codec_by_id, tensor_bytes
 from yeto_core.downlink import DownlinkEncoder
 from yeto_core.layout import Layout, build_layout
 from yeto_core.quant import DEFAULT_BLOCK
@@ -68,71 +63,11 @@ from yeto_core.wire.transport import ConnectionGroup
 log = logging.getLogger("yeto.syncer")
 
 
-
-def backend_id(s: SyncerSettings) -> str:
-    """Names the merge math a checkpoint was made with; --resume refuses a different one."""
-    outer = "nesterov" if s.outer_optimizer == "nesterov" else f"delayed-nesterov{s.outer_delay}"
-    return f"rda-{s.delta_correction}-{outer}-v1"
 PROGRESS_BAR_BYTES = 256 << 20
 EMA = 0.3  # weight of the newest sample in the ξ estimates
 
 
-class Phase(enum.Enum):
-    WAIT_INIT = "wait-init"
-    RUNNING = "running"
-    FINALIZING = "finalizing"
-    DONE = "done"
-
-
-@dataclass
-class Link:
-    learner_id: int
-    generation: int
-    group: ConnectionGroup
-    fingerprint: bytes
-    codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
-    bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
-    finished: bool = False
-    final_sent: bool = False
-    acked: bool = False
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """A push's delta (or the reason it is unusable), back from the decode pool."""
-
-    learner_id: int
-    generation: int
-    attempt: int
-    msg: Push
-    future: Future[torch.Tensor | str]
-
-
-@dataclass(frozen=True)
-class Carried:
-    """A late push waiting, still encoded, for its fragment's next round."""
-
-    msg: Push
-    payload: memoryview
-    generation: int
-    codec: Codec
-
-
-def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
-    return SchedulerConfig(
-        quorum=s.effective_quorum, learners=s.learners, pipeline=s.pipeline, round_timeout_s=s.round_timeout_s,
-        grace_cap_s=s.grace_ms / 1000, grace_gamma=s.grace_gamma, grace_tau=s.grace_tau,
-        sync_interval_steps=s.sync_interval_steps, min_round_interval_s=s.min_round_interval_ms / 1000,
-        max_base_lag=s.max_base_lag, carry_counts=s.carry_answers_round, total_rounds=s.total_rounds,
-    )
-
-
-@dataclass
-class InitProgress:
-    received: set[int] = field(default_factory=set)
-
-
-class Coordinator:
+class Coordinator(PushIntake):
     def __init__(
         self,
         settings: SyncerSettings,
@@ -373,94 +308,6 @@ class Coordinator:
         for link in list(self.links.values()):
             link.group.set_user_timeout(self.settings.wan_stall_timeout)
             self._send_full_state(link)
-
-    def _on_push(self, link: Link, msg: Push, payload: memoryview | None) -> None:
-        assert self.state is not None and self.layout is not None
-        lid = link.learner_id
-        if msg.step_us:  # ξ_step: EMA of each learner's reported time per inner step
-            step_s = msg.step_us / 1e6
-            old = self.step_s.get(lid)
-            self.step_s[lid] = step_s if old is None else (1 - EMA) * old + EMA * step_s
-        problem = payload_problem(self.layout, msg, payload, link.codec)
-        if problem is None:
-            fate, problem = self._judge(link, msg)
-        else:
-            fate = PushFate.REFUSE
-        if fate is PushFate.REFUSE:
-            self._refuse_push(link, msg, problem)
-            return
-        assert payload is not None
-        if fate is PushFate.CARRY:
-            # Waits still encoded; decoded only when it joins the fragment's next round.
-            self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation, link.codec)
-            log.info("learner %d: push for round %d carried (%s)", lid, msg.round, problem)
-            self.tape.append({"event": "carry", "learner": lid, "round": msg.round, "fragment": msg.fragment,
-                              "base_version": msg.base_version, "reason": problem})
-            self._attach_carried(msg.fragment)
-            return
-        # Decode (dequantize, check finiteness) on the decode pool, beside this thread and off the
-        # read loops; the answer is stored when `Decoded` comes back, if its attempt is still open.
-        layout, codec, attempt_id = self.layout, link.codec, msg.attempt
-        future = self._decoders.submit(decode_delta, layout, msg, payload, codec)
-        future.add_done_callback(lambda f: self.post(Decoded(lid, link.generation, attempt_id, msg, f)))
-
-    def _on_decoded(self, ev: Decoded) -> None:
-        link = self.links.get(ev.learner_id)
-        try:
-            delta = ev.future.result()
-        except Exception as exc:  # a decoder bug must not take the coordinator down
-            delta = f"decode failed: {exc}"
-        if isinstance(delta, str):
-            if link is not None and link.generation == ev.generation:
-                self._refuse_push(link, ev.msg, delta)
-            return
-        attempt = self.attempts.get(ev.msg.round)
-        if attempt is None or attempt.attempt != ev.attempt:
-            log.info("learner %d: push for round %d decoded after the attempt closed; dropped", ev.learner_id,
-                     ev.msg.round)
-            return
-        attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps,
-                                                delta.to(self.device), ev.msg.base_version, at=self.clock())
-
-    def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
-        assert self.state is not None and self.layout is not None
-        r = msg.round
-        if r in self.attempts:
-            state = RoundState.OPEN
-        elif r in self.ready:
-            state = RoundState.CLOSED
-        elif r < self.state.next_round:
-            state = RoundState.COMMITTED
-        else:
-            state = RoundState.UNLAUNCHED
-        return judge_push(learner_id=link.learner_id, generation=link.generation, round_id=r, attempt_id=msg.attempt,
-                          fragment=msg.fragment, base_version=msg.base_version,
-                          round_fragment=fragment_of_round(r, self.layout.num_fragments), round_state=state,
-                          attempt=self.attempts.get(r), version_now=self.state.versions[msg.fragment],
-                          cfg=self.sched)
-
-    def _refuse_push(self, link: Link, msg: Push, reason: str) -> None:
-        log.warning("learner %d: push for round %d refused: %s", link.learner_id, msg.round, reason)
-        self.tape.append({"event": "refused", "learner": link.learner_id, "round": msg.round, "reason": reason})
-        link.group.send(Error(ErrorCode.REFUSED, reason))
-
-    def _attach_carried(self, fragment: int) -> None:
-        """Carried pushes join the fragment's open round (a fresh answer from the same learner wins)."""
-        assert self.layout is not None
-        attempt = next((a for a in self.attempts.values() if a.fragment == fragment), None)
-        held = self.carried.get(fragment)
-        if attempt is None or not held:
-            return
-        for lid, c in sorted(held.items()):
-            if lid in attempt.answers and not attempt.answers[lid].carried:
-                continue
-            delta = decode_delta(self.layout, c.msg, c.payload, c.codec)
-            if isinstance(delta, str):
-                log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
-                continue
-            attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
-                                          c.msg.base_version, carried=True)
-        del self.carried[fragment]
 
     # -- advancing -----------------------------------------------------------------------------
     def _live(self) -> dict[int, int]:

@@ -1,0 +1,79 @@
+"""The coordinator's vocabulary: its phases, its view of a learner's link, the events it sends
+itself, and how settings become scheduler config and a merge-backend id."""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from syncer.rounds import SchedulerConfig
+from yeto_core.codecs import F32, Codec
+from yeto_core.settings import SyncerSettings
+from yeto_core.wire.messages import Push
+from yeto_core.wire.transport import ConnectionGroup
+
+
+def backend_id(s: SyncerSettings) -> str:
+    """Names the merge math a checkpoint was made with; --resume refuses a different one."""
+    outer = "nesterov" if s.outer_optimizer == "nesterov" else f"delayed-nesterov{s.outer_delay}"
+    return f"rda-{s.delta_correction}-{outer}-v1"
+
+
+
+
+class Phase(enum.Enum):
+    WAIT_INIT = "wait-init"
+    RUNNING = "running"
+    FINALIZING = "finalizing"
+    DONE = "done"
+
+
+@dataclass
+class Link:
+    learner_id: int
+    generation: int
+    group: ConnectionGroup
+    fingerprint: bytes
+    codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
+    bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
+    finished: bool = False
+    final_sent: bool = False
+    acked: bool = False
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A push's delta (or the reason it is unusable), back from the decode pool."""
+
+    learner_id: int
+    generation: int
+    attempt: int
+    msg: Push
+    future: Future[torch.Tensor | str]
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A late push waiting, still encoded, for its fragment's next round."""
+
+    msg: Push
+    payload: memoryview
+    generation: int
+    codec: Codec
+
+
+def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
+    return SchedulerConfig(
+        quorum=s.effective_quorum, learners=s.learners, pipeline=s.pipeline, round_timeout_s=s.round_timeout_s,
+        grace_cap_s=s.grace_ms / 1000, grace_gamma=s.grace_gamma, grace_tau=s.grace_tau,
+        sync_interval_steps=s.sync_interval_steps, min_round_interval_s=s.min_round_interval_ms / 1000,
+        max_base_lag=s.max_base_lag, carry_counts=s.carry_answers_round, total_rounds=s.total_rounds,
+    )
+
+
+@dataclass
+class InitProgress:
+    received: set[int] = field(default_factory=set)
