@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--total-rounds", type=int, help="fragment rounds before finalization (default 0: until learners finish)")
     add("--checkpoint", type=Path, help="checkpoint file (safetensors + JSON metadata)")
     add("--checkpoint-every", type=int, help="checkpoint after every N committed rounds (default 1)")
+    add("--background-checkpoint", action="store_true", default=None,
+        help="write each checkpoint from a snapshot on its own thread while rounds go on (one writer at a time)")
     add("--resume", action="store_true", default=None, help="resume from --checkpoint if it exists")
     add("--tape", type=Path, help="JSONL event tape of every commit")
     add("--key-file", type=Path, help="file holding the shared HMAC key (or YETO_SYNCER_KEY)")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from syncer.checkpoint import SyncerState, save_checkpoint
+from syncer.checkpoint import CheckpointError, SyncerState
 from syncer.commit import merge_round
 from syncer.correction import HelocoConfig
 from syncer.intake import PushIntake
@@ -38,6 +38,7 @@ from syncer.rounds import (
     should_launch,
 )
 from syncer.server import Got, Joined, Left, layout_mismatch
+from syncer.snapshots import CheckpointWriter
 from syncer.tape import EventTape
 from yeto_core.codecs import F32, codec_by_id, tensor_bytes
 from yeto_core.downlink import DownlinkEncoder
@@ -89,6 +90,8 @@ class Coordinator(PushIntake):
         self.layout: Layout | None = None
         self.segments: list[list[Segment]] = []
         self.sched = scheduler_config(settings)
+        self.writer = (CheckpointWriter(settings.checkpoint, background=settings.background_checkpoint,
+                                        progress=self._show_progress) if settings.checkpoint else None)
         self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
         self.outer = make_outer_optimizer(settings.outer_optimizer, lr=settings.outer_lr,
                                           momentum=settings.outer_momentum, delay=settings.outer_delay)
@@ -145,6 +148,11 @@ class Coordinator(PushIntake):
                 self._handle(event)
             self._advance()
         self._decoders.shutdown(wait=True)
+        if self.writer is not None:  # never exit in the middle of a background write
+            try:
+                self.writer.wait()
+            except CheckpointError as exc:
+                log.error("%s", exc)
         groups = [link.group for link in self.links.values()] + self._closed_groups
         for group in groups:
             group.close("syncer stopped")
@@ -428,7 +436,9 @@ class Coordinator(PushIntake):
             "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
             "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
         }
-        if self.state.next_round % self.settings.checkpoint_every == 0:
+        total = self.settings.total_rounds
+        last = bool(total) and self.state.next_round >= total  # finalization writes that cut, once
+        if self.state.next_round % self.settings.checkpoint_every == 0 and not last:
             ckpt_ms = self._save_checkpoint()
             if ckpt_ms is not None:
                 record["checkpoint_ms"] = round(ckpt_ms, 1)
@@ -496,7 +506,7 @@ class Coordinator(PushIntake):
         self.ready.clear()
         self.state.finalized = True
         if save:
-            self._save_checkpoint()
+            self._save_checkpoint(wait=True)  # durable before any FINAL goes out
             self.tape.append({"event": "final", "rounds": self.state.next_round, "versions": self.state.versions,
                               "reason": reason, "ledger": dict(self.state.ledger)})
         log.info("finalizing after %d rounds: %s; sending the final cut to %d learners", self.state.next_round,
@@ -506,12 +516,19 @@ class Coordinator(PushIntake):
         for link in list(self.links.values()):
             self._send_final(link)
 
-    def _save_checkpoint(self) -> float | None:
-        path = self.settings.checkpoint
-        if path is None or self.state is None:
-            return None
-        t0 = time.perf_counter()
+    def _show_progress(self) -> bool:
         # A bar only where someone watches, or where the write takes long enough to wonder about.
-        big = sum(t.numel() for t in self.state.params) * 8 > PROGRESS_BAR_BYTES
-        save_checkpoint(path, self.state, progress=big or sys.stderr.isatty())
-        return (time.perf_counter() - t0) * 1000
+        assert self.state is not None
+        return sum(t.numel() for t in self.state.params) * 8 > PROGRESS_BAR_BYTES or sys.stderr.isatty()
+
+    def _save_checkpoint(self, *, wait: bool = False) -> float | None:
+        """Checkpoint the committed state; returns how long the coordinator was held (ms).
+        A failed background write is logged and taped; the previous file stays valid."""
+        if self.writer is None or self.state is None:
+            return None
+        try:
+            return self.writer.save(self.state, wait=wait)
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            self.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
+            return None

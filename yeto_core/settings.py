@@ -104,6 +104,7 @@ class SyncerSettings(BaseSettings):
     total_rounds: int = Field(default=0, ge=0, description="fragment rounds before finalization (0 = none)")
     checkpoint: Path | None = None
     checkpoint_every: int = Field(default=1, ge=1, description="checkpoint after every N committed rounds")
+    background_checkpoint: bool = Field(default=False, description="write checkpoints on a thread, rounds go on")
     resume: bool = False
     tape: Path | None = None
     key: SecretStr | None = None

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import (
+    Island,
     Procs,
     assert_bit_identical,
     checkpoint_params,
@@ -15,6 +17,7 @@ from conftest import (
     eval_loss,
     model_dir,
     model_tensors,
+    read_tape,
     start_learner,
     start_syncer,
     syncer_exit_code,
@@ -90,3 +93,27 @@ def test_killed_syncer_resumes_on_the_same_port(procs: Procs, key_file: Path) ->
     m0, m1 = (model_tensors(model_dir(lp)) for lp in learners)
     assert_bit_identical(m0, ckpt, "learner 0 vs final checkpoint")
     assert_bit_identical(m1, ckpt, "learner 1 vs final checkpoint")
+
+
+@pytest.mark.timeout(120)
+def test_background_checkpoints_and_no_duplicate_final_write(procs: Procs, key_file: Path) -> None:
+    rounds = 16
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=4, total_rounds=rounds,
+                          extra=["--background-checkpoint", "--checkpoint-every", "2"])
+    assert syncer.checkpoint is not None and syncer.tape is not None
+    island = Island(syncer, key_file, 0)
+    try:
+        island.start()
+        island.train_until(lambda: False, 90, "the final cut")
+    finally:
+        island.close()
+    assert syncer_exit_code(syncer) == 0
+    done = commits(read_tape(syncer.tape))
+    assert [c["round"] for c in done] == list(range(rounds))
+    written = [c["round"] for c in done if "checkpoint_ms" in c]
+    assert written == list(range(1, rounds - 1, 2)), written  # every 2nd round; the last cut only once, final
+    state = load_checkpoint(syncer.checkpoint)
+    assert state.finalized and state.next_round == rounds
+    reference = checkpoint_params(syncer.checkpoint)
+    for name, param in island.model.named_parameters():
+        assert torch.equal(param.detach(), reference[name]), name
