@@ -1,0 +1,208 @@
+"""`yeto-export`: turn a syncer checkpoint into a Hugging Face model directory (SPEC §3.9).
+
+    yeto-export --checkpoint syncer.safetensors --model CONFIG_DIR_OR_CACHED_ID --output-dir out/
+
+The checkpoint alone is the source: no learner has to be alive. The model skeleton comes from
+``AutoConfig`` + ``AutoModelForCausalLM.from_config`` (local files only, nothing is downloaded);
+every ``param/<name>`` tensor of the checkpoint is copied into the parameter of the same name,
+and the result is written with ``save_pretrained`` (safetensors) next to a small
+``yeto_export.json`` that says where the weights came from. A checkpoint that does not fit the
+model (missing or unexpected tensors, other shapes) is refused with one message naming them.
+Log lines go to stderr; the exit status is 0 on success and 2 on any bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint
+
+EXPORT_INFO = "yeto_export.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SHOW = 8  # names listed per kind of problem in an error message
+
+
+class ExportError(Exception):
+    """A bad input to the export; the message says what is wrong and how to fix it."""
+
+
+def log(message: str) -> None:
+    print(f"yeto-export: {message}", file=sys.stderr, flush=True)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOW])
+    return shown + (f", ... ({len(names) - _SHOW} more)" if len(names) > _SHOW else "")
+
+
+def checkpoint_tensors(state: SyncerState) -> dict[str, torch.Tensor]:
+    """The checkpoint's global parameters in model shapes, keyed by model tensor name (views into
+    the per-fragment flat buffers)."""
+    from yeto_core.layout import build_layout
+
+    layout = build_layout(state.specs, state.num_fragments, state.pattern)
+    out: dict[str, torch.Tensor] = {}
+    for frag in layout.fragments:
+        buf = state.params[frag.index]
+        for slot in frag.slots:
+            out[slot.name] = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+    return out
+
+
+def load_skeleton(model: str) -> Any:
+    """An untrained causal-LM built from the config of `model` (a directory or a cached id)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError for assorted problems
+        raise ExportError(
+            f"cannot load a model config from {model!r} (a config directory or a model id already in the "
+            f"local cache; nothing is downloaded): {exc}"
+        ) from exc
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:
+        raise ExportError(f"cannot build a causal-LM model from the config of {model!r}: {exc}") from exc
+
+
+def copy_into(net: torch.nn.Module, tensors: dict[str, torch.Tensor], *, allow_missing: bool) -> list[str]:
+    """Copy every checkpoint tensor into the same-named parameter of `net`; returns the names of
+    parameters left at their initial values (only with `allow_missing`).
+
+    Tied parameters count once, under the first name ``named_parameters`` gives them (the name the
+    learners sync them under); a checkpoint that stores one under another of its names is accepted.
+    """
+    params = dict(net.named_parameters())
+    alias: dict[str, str] = {}
+    first_name = {id(p): name for name, p in params.items()}
+    for name, p in net.named_parameters(remove_duplicate=False):
+        alias[name] = first_name[id(p)]
+
+    unexpected = sorted(n for n in tensors if n not in alias)
+    targets: dict[str, str] = {}  # canonical parameter name -> checkpoint name
+    duplicated: list[str] = []
+    for n in sorted(tensors):
+        if n in alias:
+            canonical = alias[n]
+            if canonical in targets:
+                duplicated.append(f"{n} (tied to {targets[canonical]})")
+            targets[canonical] = n
+    missing = sorted(n for n in params if n not in targets)
+    mismatched = [
+        f"{targets[n]}: checkpoint {list(tensors[targets[n]].shape)}, model {list(params[n].shape)}"
+        for n in sorted(targets)
+        if tuple(tensors[targets[n]].shape) != tuple(params[n].shape)
+    ]
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} shape mismatch(es): {_listed(mismatched)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} checkpoint tensor(s) the model does not have: {_listed(unexpected)}")
+    if duplicated:
+        problems.append(f"tied tensors stored twice: {_listed(duplicated)}")
+    if missing and not allow_missing:
+        problems.append(
+            f"{len(missing)} model parameter(s) not in the checkpoint: {_listed(missing)} "
+            "(frozen parameters? pass --allow-missing to keep the config's initial values for them)"
+        )
+    if problems:
+        raise ExportError(
+            "the checkpoint does not fit the model built from --model (wrong config?): " + "; ".join(problems)
+        )
+    with torch.no_grad():
+        for canonical, n in targets.items():
+            params[canonical].copy_(tensors[n])
+    return missing
+
+
+def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "float32",
+           allow_missing: bool = False) -> dict[str, Any]:
+    """Write the checkpoint's weights as a Hugging Face model under `output_dir`; returns the
+    provenance record written to ``yeto_export.json``."""
+    try:
+        state = load_checkpoint(checkpoint)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
+    names = [s.name for s in state.specs]
+    if lora := [n for n in names if "lora_" in n]:
+        raise ExportError(
+            f"checkpoint {checkpoint} holds LoRA adapter weights ({_listed(lora)}); "
+            "LoRA export (--tuning lora) is not supported yet"
+        )
+    if not state.finalized:
+        log(f"warning: checkpoint {checkpoint.name} is not finalized (the run had not ended); "
+            f"exporting the global model as of round {state.next_round}")
+    log(f"checkpoint {checkpoint.name}: {len(names)} tensors, {state.num_fragments} fragments, "
+        f"versions {state.versions}, next round {state.next_round}")
+
+    tensors = checkpoint_tensors(state)
+    log(f"building the model from {model}")
+    net = load_skeleton(model)
+    left = copy_into(net, tensors, allow_missing=allow_missing)
+    if left:
+        log(f"kept the config's initial values for {len(left)} parameter(s) not in the checkpoint: {_listed(left)}")
+    if dtype != "float32":
+        net = net.to(_DTYPES[dtype])
+    net.config.dtype = _DTYPES[dtype]  # recorded in config.json, so from_pretrained keeps it
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log(f"writing {output_dir} ({dtype})")
+    net.save_pretrained(output_dir, safe_serialization=True)
+    info = {
+        "checkpoint": checkpoint.name,
+        "model": Path(model).name if Path(model).exists() else model,
+        "dtype": dtype,
+        "versions": [int(v) for v in state.versions],
+        "next_round": int(state.next_round),
+        "finalized": bool(state.finalized),
+        "fingerprint": state.fingerprint.hex(),
+        "backend": state.backend,
+        "tensors": len(names),
+        "kept_initial": left,
+        "yeto": _version("yeto"),
+        "transformers": _version("transformers"),
+        "torch": torch.__version__,
+    }
+    (output_dir / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    log(f"done: {output_dir} loads with AutoModelForCausalLM.from_pretrained")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="yeto-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--checkpoint", type=Path, required=True, help="the syncer's checkpoint (safetensors)")
+    p.add_argument("--model", required=True,
+                   help="a config directory or a model id already in the local cache (never downloaded)")
+    p.add_argument("--output-dir", type=Path, required=True, help="where to write the Hugging Face model")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="dtype of the written weights")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="keep the config's initial values for model parameters the checkpoint lacks "
+                        "(frozen parameters that were never synced)")
+    args = p.parse_args(argv)
+    try:
+        export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype, allow_missing=args.allow_missing)
+    except ExportError as exc:
+        log(f"error: {exc}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
