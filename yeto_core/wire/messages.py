@@ -507,6 +507,8 @@ def encode_frame(msg: Message) -> bytes:
 
 def parse_header(raw: bytes | memoryview, max_body: int = MAX_CONTROL_BODY) -> tuple[MsgType, int]:
     """Validate a frame header; returns (type, body length). Raises ProtocolError."""
+    if len(raw) != HEADER.size:
+        raise ProtocolError(f"a frame header is {HEADER.size} bytes, got {len(raw)}")
     magic, version, mtype, _flags, length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (not a yeto peer?)")
