@@ -81,6 +81,7 @@ class _Pending:
     created: float
     manifest: Manifest | None = None
     bound: int = 0  # transfer bound implied by the manifest (learner 0 before the initial cut)
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)  # control handshake done
 
 
 class HandshakeRefused(Exception):
@@ -233,9 +234,17 @@ class SyncerServer:
             pending = _Pending(hello, generation, stream, [None] * hello.data_streams, time.monotonic())
             self._pending[token] = pending
         mac = auth.sign(self._key, auth.WELCOME_LABEL, hello.client_nonce, token, generation.to_bytes(4, "little"))
-        stream.send_frame(Welcome(token, generation, self._initial_cut_ready(), mac))
-        if hello.flags & HELLO_SENDS_MANIFEST:
-            pending.manifest, pending.bound = self._read_manifest(stream, hello)
+        try:
+            stream.send_frame(Welcome(token, generation, self._initial_cut_ready(), mac))
+            if hello.flags & HELLO_SENDS_MANIFEST:
+                pending.manifest, pending.bound = self._read_manifest(stream, hello)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(token, None)
+            raise
+        # Only now may the group's reader threads own the control stream: until the MANIFEST was
+        # read here, a control reader started by the last ATTACH would race this thread for bytes.
+        pending.ready.set()
 
     def _read_manifest(self, stream: Stream, hello: Hello) -> tuple[Manifest, int]:
         """Learner 0's model description: the layout it implies must match its own fingerprint."""
@@ -270,6 +279,9 @@ class SyncerServer:
             if complete:
                 del self._pending[attach.token]
         if complete:
+            if not pending.ready.wait(self._handshake_timeout_s):
+                raise HandshakeRefused(ErrorCode.PROTOCOL, f"learner {pending.hello.learner_id}'s handshake did "
+                                       "not finish in time")
             self._start_group(pending)
 
     def _start_group(self, p: _Pending) -> None:
