@@ -17,21 +17,34 @@ pytestmark = pytest.mark.integration
 ROUNDS = 16
 
 
+def train_to_the_final_cut(islands: list[Island], timeout: float = 90.0) -> None:
+    """Start the islands (learner 0 first: it seeds the syncer) and step them in turn until every
+    one has installed the final cut."""
+    for island in islands:
+        island.start()
+    deadline = time.monotonic() + timeout
+    while not all(i.finished for i in islands) and time.monotonic() < deadline:
+        for island in islands:
+            if not island.finished:
+                island.train_step()
+        time.sleep(0.002)
+    assert all(i.finished for i in islands), "the final cut did not reach every island"
+
+
+def assert_hold_the_checkpoint(islands: list[Island], checkpoint: Path) -> None:
+    reference = checkpoint_params(checkpoint)
+    for island in islands:
+        for name, param in island.model.named_parameters():
+            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
+
+
 @pytest.mark.timeout(120)
 def test_bf16_and_f32_islands_merge_into_one_model(procs: Procs, key_file: Path) -> None:
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4, total_rounds=ROUNDS)
     assert syncer.checkpoint is not None and syncer.tape is not None
     islands = [Island(syncer, key_file, 0, wire_dtype="f32"), Island(syncer, key_file, 1, wire_dtype="bf16")]
     try:
-        islands[0].start()  # learner 0 seeds the syncer; learner 1 then receives the initial cut
-        islands[1].start()
-        deadline = time.monotonic() + 90
-        while not all(i.finished for i in islands) and time.monotonic() < deadline:
-            for island in islands:
-                if not island.finished:
-                    island.train_step()
-            time.sleep(0.002)
-        assert all(i.finished for i in islands), "the final cut did not reach both islands"
+        train_to_the_final_cut(islands)
         assert [i.session.client.codec.name for i in islands] == ["f32", "bf16"]
         assert all(i.session.stats.pushes > 0 for i in islands)
     finally:
@@ -43,10 +56,7 @@ def test_bf16_and_f32_islands_merge_into_one_model(procs: Procs, key_file: Path)
     assert all(c["learners"] == [0, 1] for c in done)
     state = load_checkpoint(syncer.checkpoint)
     assert state.finalized and state.versions == [ROUNDS // 4] * 4
-    reference = checkpoint_params(syncer.checkpoint)
-    for island in islands:
-        for name, param in island.model.named_parameters():
-            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
+    assert_hold_the_checkpoint(islands, syncer.checkpoint)
 
 
 @pytest.mark.timeout(120)
@@ -56,15 +66,7 @@ def test_delta_broadcasts_track_the_syncer_and_the_final_cut_is_exact(procs: Pro
     assert syncer.checkpoint is not None and syncer.tape is not None
     islands = [Island(syncer, key_file, 0, bcast_delta=True), Island(syncer, key_file, 1, wire_dtype="bf16")]
     try:
-        islands[0].start()
-        islands[1].start()
-        deadline = time.monotonic() + 90
-        while not all(i.finished for i in islands) and time.monotonic() < deadline:
-            for island in islands:
-                if not island.finished:
-                    island.train_step()
-            time.sleep(0.002)
-        assert all(i.finished for i in islands), "the final cut did not reach both islands"
+        train_to_the_final_cut(islands)
         decoder = islands[0].session.client._downlink
         assert decoder is not None and all(v >= 1 for v in decoder.versions), "no delta broadcast was applied"
         assert islands[0].session.stats.connected_generations == [1], "an anchor mismatch forced a reconnect"
@@ -73,10 +75,7 @@ def test_delta_broadcasts_track_the_syncer_and_the_final_cut_is_exact(procs: Pro
             island.close()
     assert syncer_exit_code(syncer) == 0
     assert [c["learners"] for c in commits(read_tape(syncer.tape))] == [[0, 1]] * ROUNDS
-    reference = checkpoint_params(syncer.checkpoint)
-    for island in islands:
-        for name, param in island.model.named_parameters():
-            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
+    assert_hold_the_checkpoint(islands, syncer.checkpoint)
 
 
 @pytest.mark.timeout(120)
@@ -87,15 +86,7 @@ def test_block_quantized_pushes_merge_into_one_model(procs: Procs, key_file: Pat
     islands = [Island(syncer, key_file, 0, wire_dtype=first, push_block=64),
                Island(syncer, key_file, 1, wire_dtype=second, push_block=32)]
     try:
-        islands[0].start()
-        islands[1].start()
-        deadline = time.monotonic() + 90
-        while not all(i.finished for i in islands) and time.monotonic() < deadline:
-            for island in islands:
-                if not island.finished:
-                    island.train_step()
-            time.sleep(0.002)
-        assert all(i.finished for i in islands), "the final cut did not reach both islands"
+        train_to_the_final_cut(islands)
         assert all(i.session.stats.push_failures == 0 for i in islands)
     finally:
         for island in islands:
@@ -104,7 +95,4 @@ def test_block_quantized_pushes_merge_into_one_model(procs: Procs, key_file: Pat
     records = read_tape(syncer.tape)
     assert not [r for r in records if r["event"] == "refused"], "a quantized push was refused"
     assert [c["learners"] for c in commits(records)] == [[0, 1]] * ROUNDS
-    reference = checkpoint_params(syncer.checkpoint)
-    for island in islands:
-        for name, param in island.model.named_parameters():
-            assert torch.equal(param.detach(), reference[name]), f"learner {island.session.settings.learner_id} {name}"
+    assert_hold_the_checkpoint(islands, syncer.checkpoint)
