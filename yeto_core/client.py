@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import random
 import socket
 import sys
 import threading
@@ -207,7 +208,8 @@ class SyncerClient:
                 group.join(timeout=5.0)
                 self.inbox.put(Lost(group.close_reason or "link closed"))
                 log.warning("learner %d: link to syncer lost (%s); redialing", self.learner_id, group.close_reason)
-            self._stop.wait(backoff)
+            # Full jitter: islands that lost the syncer together do not all redial in the same instant.
+            self._stop.wait(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self._reconnect_max_s)
 
     def _dial(self) -> ConnectionGroup:
