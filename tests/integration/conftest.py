@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -485,3 +486,60 @@ class Island:
     def fingerprint(self) -> bytes:
         assert self.session.layout is not None
         return self.session.layout.fingerprint
+
+
+# -- a loopback TCP relay between learners and the syncer ---------------------------------------
+class LoopbackRelay:
+    """Listens on 127.0.0.1, and for every connection a learner opens, connects to `target` and
+    calls `relay(index, client, upstream)` (index counts connections in accept order: a learner's
+    control stream, then its data streams). The default relays both directions unchanged;
+    subclasses shape what the learner sends (delay, stall, cut) and keep `downlink` for the rest."""
+
+    def __init__(self, target: tuple[str, int], name: str) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        self.connections = 0
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name=name).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                return
+            upstream.settimeout(None)
+            index, self.connections = self.connections, self.connections + 1
+            self.sockets += [client, upstream]
+            self.relay(index, client, upstream)
+
+    def relay(self, index: int, client: socket.socket, upstream: socket.socket) -> None:
+        self.spawn(self.downlink, client, upstream)
+        self.spawn(self.downlink, upstream, client)
+
+    @staticmethod
+    def spawn(target: Callable[..., None], *args: Any) -> None:
+        threading.Thread(target=target, args=args, daemon=True).start()
+
+    @staticmethod
+    def downlink(src: socket.socket, dst: socket.socket) -> None:
+        """Copy src to dst until src ends, then shut both down."""
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        shut_both(src, dst)
+
+    def close(self) -> None:
+        self.closed.set()
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def shut_both(*sockets: socket.socket) -> None:
+    for s in sockets:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)

@@ -25,7 +25,18 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Procs, Syncer, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code, wait_until
+from conftest import (
+    LoopbackRelay,
+    Procs,
+    Syncer,
+    checkpoint_params,
+    commits,
+    read_tape,
+    shut_both,
+    start_syncer,
+    syncer_exit_code,
+    wait_until,
+)
 
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
@@ -39,55 +50,36 @@ WIDTH, DEPTH = 1024, 6  # about 6.3 M parameters: 25 MB of INIT, about 6 MB (two
 CUT_AFTER = 9 * 1024 * 1024  # inside fragment 1's INIT
 
 
-class CuttingProxy:
+class CuttingProxy(LoopbackRelay):
     """A loopback relay between one learner and the syncer. What the learner sends on its
     `cut_index`-th connection (0: the first control stream, 1: its first data stream) is forwarded
     up to `cut_after` bytes, then both sides of that connection are closed. Every other connection,
     and every later one, flows untouched."""
 
     def __init__(self, target: tuple[str, int], cut_index: int | None, cut_after: int) -> None:
-        self.target = target
         self.cut_index, self.cut_after = cut_index, cut_after
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = [self.listener]
         self.cut = threading.Event()
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True, name="cut-proxy").start()
+        super().__init__(target, "cut-proxy")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-                upstream = socket.create_connection(self.target, timeout=10)
-            except OSError:
-                return
-            upstream.settimeout(None)
-            index, self.connections = self.connections, self.connections + 1
-            limit = self.cut_after if index == self.cut_index else None
-            self.sockets += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, limit), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, None), daemon=True).start()
+    def relay(self, index: int, client: socket.socket, upstream: socket.socket) -> None:
+        if index != self.cut_index:
+            super().relay(index, client, upstream)
+            return
+        self.spawn(self._cut_uplink, client, upstream)
+        self.spawn(self.downlink, upstream, client)
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+    def _cut_uplink(self, src: socket.socket, dst: socket.socket) -> None:
         sent = 0
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
-                if limit is not None and sent + len(data) >= limit:
-                    dst.sendall(data[: limit - sent])
+                if sent + len(data) >= self.cut_after:
+                    dst.sendall(data[: self.cut_after - sent])
                     self.cut.set()
                     break
                 dst.sendall(data)
                 sent += len(data)
+        shut_both(src, dst)
         for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            if limit is not None:
-                with contextlib.suppress(OSError):
-                    s.close()
-
-    def close(self) -> None:
-        for s in self.sockets:
             with contextlib.suppress(OSError):
                 s.close()
 

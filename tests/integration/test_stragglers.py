@@ -20,7 +20,17 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Island, Procs, Syncer, checkpoint_params, start_syncer, syncer_exit_code, wait_until
+from conftest import (
+    Island,
+    LoopbackRelay,
+    Procs,
+    Syncer,
+    checkpoint_params,
+    shut_both,
+    start_syncer,
+    syncer_exit_code,
+    wait_until,
+)
 
 from yeto_core.client import PushJob
 from yeto_core.learner import LearnerSession
@@ -77,31 +87,19 @@ class Driver:
             island.close()
 
 
-class DelayProxy:
+class DelayProxy(LoopbackRelay):
     """A loopback TCP relay that holds every byte a learner sends for `delay_s` before passing it
     on to the syncer (a slow uplink); bytes from the syncer pass straight through."""
 
     def __init__(self, target: tuple[str, int], delay_s: float) -> None:
-        self.target, self.delay_s = target, delay_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = [self.listener]
-        self.closed = threading.Event()
-        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+        self.delay_s = delay_s
+        super().__init__(target, "proxy-accept")
 
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self.listener.accept()
-                upstream = socket.create_connection(self.target, timeout=10)
-            except OSError:
-                return
-            upstream.settimeout(None)
-            self.sockets += [client, upstream]
-            held: queue.Queue[tuple[float, bytes]] = queue.Queue()
-            threading.Thread(target=self._read, args=(client, held), daemon=True).start()
-            threading.Thread(target=self._write_late, args=(held, upstream, client), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+    def relay(self, index: int, client: socket.socket, upstream: socket.socket) -> None:
+        held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+        self.spawn(self._read, client, held)
+        self.spawn(self._write_late, held, upstream, client)
+        self.spawn(self.downlink, upstream, client)
 
     def _read(self, src: socket.socket, held: queue.Queue[tuple[float, bytes]]) -> None:
         with contextlib.suppress(OSError):
@@ -109,7 +107,8 @@ class DelayProxy:
                 held.put((time.monotonic() + self.delay_s, data))
         held.put((0.0, b""))
 
-    def _write_late(self, held: queue.Queue[tuple[float, bytes]], dst: socket.socket, src: socket.socket) -> None:
+    @staticmethod
+    def _write_late(held: queue.Queue[tuple[float, bytes]], dst: socket.socket, src: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while True:
                 due, data = held.get()
@@ -117,23 +116,7 @@ class DelayProxy:
                     break
                 time.sleep(max(0.0, due - time.monotonic()))
                 dst.sendall(data)
-        for s in (dst, src):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        for s in (dst, src):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.closed.set()
-        for s in self.sockets:
-            with contextlib.suppress(OSError):
-                s.close()
+        shut_both(dst, src)
 
 
 def assert_matches_checkpoint(islands: Sequence[Island], checkpoint: Path) -> None:

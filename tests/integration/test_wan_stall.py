@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Island, Procs, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
+from conftest import (
+    Island,
+    LoopbackRelay,
+    Procs,
+    checkpoint_params,
+    commits,
+    read_tape,
+    shut_both,
+    start_syncer,
+    syncer_exit_code,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -20,53 +30,34 @@ ROUNDS = 24
 STALL_S = 1.0
 
 
-class StallingProxy:
+class StallingProxy(LoopbackRelay):
     """A loopback TCP relay between one learner and the syncer. `freeze(i)` stops forwarding what
     the learner sends on the i-th connection it opened (connection 0 is a control stream, the
     ones after it its data streams); everything else, and every later connection, flows."""
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.frozen: list[threading.Event] = []
-        self.sockets: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True, name="stall-proxy").start()
+        super().__init__(target, "stall-proxy")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-                upstream = socket.create_connection(self.target, timeout=10)
-            except OSError:
-                return
-            upstream.settimeout(None)
-            frozen = threading.Event()
-            self.frozen.append(frozen)
-            self.sockets += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, frozen), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, None), daemon=True).start()
+    def relay(self, index: int, client: socket.socket, upstream: socket.socket) -> None:
+        frozen = threading.Event()
+        self.frozen.append(frozen)
+        self.spawn(self._stallable_uplink, client, upstream, frozen)
+        self.spawn(self.downlink, upstream, client)
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, frozen: threading.Event | None) -> None:
+    def _stallable_uplink(src: socket.socket, dst: socket.socket, frozen: threading.Event) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
-                while frozen is not None and frozen.is_set():
+                while frozen.is_set():
                     time.sleep(0.05)  # hold the bytes: the stream stalls with the socket still open
                     if src.fileno() < 0:
                         return
                 dst.sendall(data)
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+        shut_both(src, dst)
 
     def freeze(self, index: int) -> None:
         self.frozen[index].set()
-
-    def close(self) -> None:
-        for s in self.sockets:
-            with contextlib.suppress(OSError):
-                s.close()
 
 
 @pytest.mark.timeout(120)
