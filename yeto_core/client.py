@@ -26,6 +26,7 @@ from yeto_core.codecs import BF16, F32, Codec, tensor_bytes
 from yeto_core.downlink import AnchorMismatch, DownlinkDecoder
 from yeto_core.layout import Layout
 from yeto_core.wire import auth
+from yeto_core.wire.buffers import receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
 from yeto_core.wire.messages import (
     BCAST_DELTA,
@@ -47,7 +48,7 @@ from yeto_core.wire.messages import (
     Push,
     Welcome,
 )
-from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, receive_buffer, tune_socket
+from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, tune_socket
 
 log = logging.getLogger("yeto.client")
 

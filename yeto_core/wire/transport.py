@@ -4,9 +4,9 @@ A *connection group* is one control stream (stream 0) plus N data streams. Contr
 small and ordered. A bulk message goes out as one control frame that announces a transfer id
 and a byte count, followed by CHUNK frames of at most 4 MiB striped round-robin over the data
 streams, each sent by that stream's own sender thread so the streams really run in parallel.
-The receiver reads every chunk with `recv_into` straight into one buffer allocated once per
-transfer (bounded by `max_payload` before allocation) and delivers the message when the
-announcement and every byte have arrived, in whichever order they came.
+The receiver reads every chunk with `recv_into` straight into one buffer per transfer (size
+checked against `max_payload` first; taken from a pool of recycled buffers, `buffers.py`) and
+delivers the message when the announcement and every byte have arrived, in whichever order.
 
 Both sides send HEARTBEAT on the control stream; a group that hears nothing for
 `peer_timeout_s` closes itself. Every failure closes the whole group once, with a reason.
@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
+from yeto_core.wire.buffers import RECEIVE_POOL, BufferPool, receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
@@ -178,12 +177,6 @@ class SendTicket:
         return self.done.wait(timeout) and self.error is None
 
 
-def receive_buffer(nbytes: int) -> memoryview:
-    """A writable buffer that is not zero-filled: every byte is about to be overwritten by
-    `recv_into`, and zero-filling a fresh 64 MiB buffer costs twice the transfer itself."""
-    return memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]
-
-
 @dataclasses.dataclass
 class _Incoming:
     buffer: memoryview
@@ -196,8 +189,9 @@ class Reassembler:
     """Collects announced bulk transfers and their chunks into one buffer each."""
 
     def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview], None],
-                 peer: str, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 peer: str, chunk_bytes: int = CHUNK_BYTES, pool: BufferPool | None = RECEIVE_POOL) -> None:
         self.chunk_bytes = chunk_bytes
+        self.pool = pool
         self.max_payload = max_payload  # evaluated per transfer: the bound can tighten once a layout is known
         self._deliver = deliver
         self._peer = peer
@@ -215,7 +209,7 @@ class Reassembler:
             self._check_bound(total)
             if len(self._transfers) >= MAX_TRANSFERS_IN_FLIGHT:
                 raise ProtocolError(f"{self._peer}: more than {MAX_TRANSFERS_IN_FLIGHT} transfers in flight")
-            inc = _Incoming(receive_buffer(total))
+            inc = _Incoming(self.pool.take(total) if self.pool is not None else receive_buffer(total))
             self._transfers[transfer] = inc
         elif len(inc.buffer) != total:
             announced = len(inc.buffer)
