@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from yeto_core.codecs import BF16, F32, Codec, tensor_bytes
+from yeto_core.codecs import BF16, F32, Bf16Parts, Codec, tensor_bytes
 from yeto_core.downlink import AnchorMismatch, DownlinkDecoder
 from yeto_core.layout import Layout
 from yeto_core.wire import auth
@@ -372,8 +372,11 @@ class SyncerClient:
             job.error = "no link to the syncer"
             return
         nbytes = self.codec.encoded_nbytes(job.delta.numel())
+        payload: memoryview | Bf16Parts
         if self.codec is F32:
             payload = tensor_bytes(job.delta)  # f32 deltas are their own wire bytes: no copy
+        elif self.codec is BF16:
+            payload = Bf16Parts(job.delta)  # rounded chunk by chunk by the streams' sender threads
         else:
             payload = self._push_buffer(nbytes)
             self.codec.encode(job.delta, payload)

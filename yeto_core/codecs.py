@@ -125,6 +125,38 @@ class _BFloat16Codec:
             _upload_chunked(out, bits, torch.bfloat16)
 
 
+class Bf16Parts:
+    """The bf16 wire bytes of an f32 tensor, rounded part by part as a sender asks for them.
+
+    The transport calls `fill(offset, out)` for each chunk of the transfer, on the chunk's own
+    sender thread, right before sending it: no full-size encoded copy exists, and rounding one
+    part overlaps sending the others. A part boundary may fall inside a value (odd offsets):
+    the values it cuts are rounded whole and only the requested bytes are copied, so any split
+    concatenates to exactly `BF16.encode` of the whole tensor.
+    """
+
+    def __init__(self, src: torch.Tensor) -> None:
+        _check_src(BF16, src)
+        self.src = src.detach().reshape(-1)
+        self.nbytes = BF16.encoded_nbytes(self.src.numel())
+
+    def fill(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        end = offset + len(out)
+        if offset < 0 or end > self.nbytes:
+            raise ValueError(f"bytes [{offset}, {end}) are outside the {self.nbytes}-byte bf16 payload")
+        if not len(out):
+            return
+        first, last = offset // 2, (end + 1) // 2  # the values the byte range touches
+        if offset % 2 == 0 and end % 2 == 0:
+            torch.frombuffer(out, dtype=torch.bfloat16).copy_(self.src[first:last])
+            return
+        whole = self.src[first:last].to(torch.bfloat16)  # at most one chunk's worth, plus a value
+        raw = whole.cpu().view(torch.uint8).numpy()
+        skip = offset - 2 * first
+        out[:] = raw[skip : skip + len(out)].tobytes()
+
+
 F32: Codec = _Float32Codec()
 BF16: Codec = _BFloat16Codec()
 CODECS: dict[str, Codec] = {c.name: c for c in (F32, BF16)}

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from yeto_core import codecs
-from yeto_core.codecs import BF16, CODECS, F32, Codec, bf16_round_reference, codec_by_id, codec_by_name
+from yeto_core.codecs import BF16, CODECS, F32, Bf16Parts, Codec, bf16_round_reference, codec_by_id, codec_by_name
 
 pytestmark = pytest.mark.unit
 
@@ -254,3 +258,42 @@ def test_registry() -> None:
         codec_by_name("fp8")
     with pytest.raises(ValueError, match=r"wire id 9; known: 1 \(f32\), 2 \(bf16\)"):
         codec_by_id(9)
+
+
+# -- bf16 streamed part by part ---------------------------------------------------------------------
+def _bf16_whole(src: torch.Tensor) -> bytes:
+    out = bytearray(BF16.encoded_nbytes(src.numel()))
+    BF16.encode(src, memoryview(out))
+    return bytes(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(numel=st.integers(0, 300), cuts=st.lists(st.integers(0, 600), max_size=12), seed=st.integers(0, 2**16))
+def test_bf16_parts_concatenate_to_the_whole_encoding_for_any_split(numel: int, cuts: list[int], seed: int) -> None:
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e3
+    parts = Bf16Parts(src)
+    assert parts.nbytes == 2 * numel
+    bounds = sorted({0, parts.nbytes, *(c for c in cuts if c <= parts.nbytes)})
+    got = bytearray()
+    for start, end in itertools.pairwise(bounds):  # part boundaries fall inside values too
+        piece = bytearray(end - start)
+        parts.fill(start, memoryview(piece))
+        got += piece
+    assert bytes(got) == _bf16_whole(src)
+
+
+def test_bf16_parts_round_the_edge_patterns_like_torch() -> None:
+    src = torch.from_numpy(np.array(EDGE_BITS, dtype=np.uint32).view(np.float32).copy())
+    parts = Bf16Parts(src)
+    out = bytearray(parts.nbytes)
+    parts.fill(0, memoryview(out)[:7])  # odd cut: the fourth value is split across two parts
+    parts.fill(7, memoryview(out)[7:])
+    assert bytes(out) == src.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+def test_bf16_parts_refuse_a_range_outside_the_payload() -> None:
+    parts = Bf16Parts(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"outside the 8-byte bf16 payload"):
+        parts.fill(6, memoryview(bytearray(4)))
+    with pytest.raises(ValueError, match="contiguous 1-D float32"):
+        Bf16Parts(torch.zeros(4, dtype=torch.float64))

@@ -725,3 +725,45 @@ def test_an_unknown_schedule_is_refused() -> None:
     finally:
         x.close()
         y.close()
+
+
+class _CountingParts:
+    """A lazy payload that records which parts were asked for, on which thread."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.nbytes = len(data)
+        self.calls: list[tuple[int, int, str]] = []
+
+    def fill(self, offset: int, out: memoryview) -> None:
+        self.calls.append((offset, len(out), threading.current_thread().name))
+        out[:] = self.data[offset : offset + len(out)]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_lazy_payload_is_produced_part_by_part_by_the_sender_threads(links: Links, n: int) -> None:
+    a, b = links.pair(n)
+    data = _random_bytes(9 * MIB + 5, seed=7)
+    lazy = _CountingParts(data)
+    ticket = a.group.send(PUSH, lazy)
+    assert ticket.wait(WAIT_S) and ticket.ok, ticket.error
+    msg, payload = b.get()
+    assert msg.nbytes == len(data) and payload == data  # type: ignore[attr-defined]
+    assert sorted((o, k) for o, k, _ in lazy.calls) == [(0, CHUNK_BYTES), (CHUNK_BYTES, CHUNK_BYTES),
+                                                        (2 * CHUNK_BYTES, MIB + 5)]
+    assert threading.current_thread().name not in {t for _, _, t in lazy.calls}  # never on the caller
+
+
+def test_a_lazy_payload_that_fails_to_encode_fails_the_group(links: Links) -> None:
+    a, _b = links.pair(2)
+
+    class Broken(_CountingParts):
+        def fill(self, offset: int, out: memoryview) -> None:
+            if offset:
+                raise RuntimeError("cannot round this part")
+            super().fill(offset, out)
+
+    ticket = a.group.send(PUSH, Broken(_random_bytes(6 * MIB)))
+    assert ticket.done.wait(WAIT_S) and not ticket.ok
+    assert a.group.wait_closed(WAIT_S)
+    assert "encoding a payload failed: cannot round this part" in (a.group.close_reason or "")

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from yeto_core.wire.buffers import RECEIVE_POOL, BufferPool, receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
@@ -145,6 +145,18 @@ class Stream:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+class LazyPayload(Protocol):
+    """Bulk bytes produced part by part as the sender threads need them (e.g. a push rounded to
+    bf16 chunk by chunk, so no full encoded copy is made and encoding overlaps the sending)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def fill(self, offset: int, out: memoryview) -> None:
+        """Write bytes [offset, offset + len(out)) of the payload into `out`."""
+        ...
 
 
 class SendTicket:
@@ -378,7 +390,7 @@ class ConnectionGroup:
             log.exception("%s: close handler failed", self.name)
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, msg: Message, payload: bytes | bytearray | memoryview | None = None) -> SendTicket:
+    def send(self, msg: Message, payload: bytes | bytearray | memoryview | LazyPayload | None = None) -> SendTicket:
         """Send a control message, or a bulk message with its payload (striped over data streams).
 
         Never blocks on the bulk bytes: they are queued to the data streams' sender threads and
@@ -395,8 +407,9 @@ class ConnectionGroup:
             return SendTicket(0)
         if payload is None:
             raise ValueError(f"{msg.TYPE.name} needs a bulk payload")
-        view = memoryview(payload).cast("B")
-        total = len(view)
+        lazy = payload if hasattr(payload, "fill") else None
+        view = None if lazy is not None else memoryview(payload).cast("B")  # type: ignore[arg-type]
+        total = lazy.nbytes if lazy is not None else len(view)  # type: ignore[union-attr,arg-type]
         with self._id_lock:
             if self._closed.is_set():  # closed since the check above: close() saw no ticket of ours
                 ticket = SendTicket(1)
@@ -419,7 +432,9 @@ class ConnectionGroup:
                 targets.append(i)
         self._send_control(dataclasses.replace(msg, transfer=transfer, nbytes=total))  # type: ignore[type-var]
         for i, offset in zip(targets, range(0, total, CHUNK_BYTES), strict=True):
-            self._queues[i].put((ticket, transfer, total, offset, view[offset : offset + CHUNK_BYTES]))
+            n = min(CHUNK_BYTES, total - offset)
+            part = (lazy, n) if view is None else view[offset : offset + n]
+            self._queues[i].put((ticket, transfer, total, offset, part))
         return ticket
 
     def _send_control(self, msg: Message) -> None:
@@ -430,11 +445,23 @@ class ConnectionGroup:
             self.close(f"send failed on control stream: {exc}")
 
     def _sender_loop(self, index: int, stream: Stream, q: queue.SimpleQueue[Any]) -> None:
+        scratch: memoryview | None = None  # this stream's encode buffer for lazy payloads
         while True:
             item = q.get()
             if item is None:
                 return
             ticket, transfer, total, offset, view = item
+            if isinstance(view, tuple):  # a lazy payload: produce this part right before sending it
+                lazy, n = view
+                if scratch is None:
+                    scratch = receive_buffer(CHUNK_BYTES)
+                view = scratch[:n]
+                try:
+                    lazy.fill(offset, view)
+                except Exception as exc:  # a half-sent transfer cannot be finished: fail the group
+                    log.exception("%s: encoding part of transfer %d failed", self.name, transfer)
+                    self.close(f"encoding a payload failed: {exc}")
+                    return
             started = time.monotonic()
             try:
                 stream.send_chunk(transfer, total, offset, view)
