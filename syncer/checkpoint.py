@@ -46,12 +46,41 @@ class SyncerState:
     momentum: list[torch.Tensor]
     versions: list[int]
     next_round: int
-    ledger: dict[str, int]
+    ledger: dict[str, int]  # committed tokens by "learner:generation" (see `ledger_key`)
     finalized: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     # Delayed Nesterov's per-fragment gradient accumulator and window position (None: not used).
     outer_accum: list[torch.Tensor] | None = None
     outer_count: list[int] = field(default_factory=list)
+
+
+def ledger_key(learner_id: int, generation: int) -> str:
+    """The token ledger counts each learner's committed tokens per connection generation, so a
+    replayed or carried push shows under the connection that delivered it, once."""
+    return f"{learner_id}:{generation}"
+
+
+def parse_ledger_key(key: str) -> tuple[int, int]:
+    """(learner, generation) of a ledger key; a bare learner id (older checkpoints) is generation 0."""
+    learner, _, generation = key.partition(":")
+    return int(learner), int(generation or 0)
+
+
+def tokens_by_learner(ledger: dict[str, int]) -> dict[int, int]:
+    totals: dict[int, int] = {}
+    for key, tokens in ledger.items():
+        learner = parse_ledger_key(key)[0]
+        totals[learner] = totals.get(learner, 0) + tokens
+    return totals
+
+
+def last_generations(ledger: dict[str, int]) -> dict[int, int]:
+    """The highest generation each learner has in the ledger: a resumed syncer numbers on from it."""
+    last: dict[int, int] = {}
+    for key in ledger:
+        learner, generation = parse_ledger_key(key)
+        last[learner] = max(last.get(learner, 0), generation)
+    return last
 
 
 class CheckpointError(Exception):
@@ -187,6 +216,7 @@ def _parse(path: Path, doc: Any) -> tuple[list[TensorSpec], Layout, dict[str, An
             isinstance(doc["extra"], dict),
             all(isinstance(v, int) for v in doc["versions"]),
             all(isinstance(k, str) and isinstance(v, int) for k, v in doc["ledger"].items()),
+            all(min(parse_ledger_key(k)) >= 0 for k in doc["ledger"]),
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed 'yeto' metadata: {exc!r}") from exc

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from syncer.checkpoint import CheckpointError, SyncerState
+from syncer.checkpoint import CheckpointError, SyncerState, ledger_key
 from syncer.commit import merge_round
 from syncer.correction import HelocoConfig
 from syncer.intake import PushIntake
@@ -419,12 +419,13 @@ class Coordinator(PushIntake):
         self.state.versions[f] += 1
         self.state.next_round = attempt.round + 1
         for a in answers:
-            key = str(a.learner_id)
+            key = ledger_key(a.learner_id, a.generation)
             self.state.ledger[key] = self.state.ledger.get(key, 0) + a.tokens
         fresh = [a.learner_id for a in answers if not a.carried]
         record = {
             "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
-            "version": self.state.versions[f], "learners": [a.learner_id for a in answers], "answered": fresh,
+            "version": self.state.versions[f], "learners": [a.learner_id for a in answers],
+            "generations": [a.generation for a in answers], "answered": fresh,
             "carried": [a.learner_id for a in answers if a.carried],
             "waited_for": sorted(a.learner_id for a in answers if attempt.quorum_at is not None
                                  and not a.carried and a.at > attempt.quorum_at),

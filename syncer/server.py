@@ -109,6 +109,7 @@ class SyncerServer:
         peer_timeout_s: float = 30.0,
         stall_timeout_s: float = 0.0,
         schedule: str = "rr",
+        generations: dict[int, int] | None = None,
     ) -> None:
         self._key = key
         self._schedule = schedule
@@ -123,7 +124,9 @@ class SyncerServer:
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
         self._lock = threading.Lock()
-        self._generations: dict[int, int] = {}
+        # Connection generations per learner, numbered on from a resumed checkpoint's ledger so a
+        # (learner, generation) pair names one connection across syncer restarts.
+        self._generations: dict[int, int] = dict(generations or {})
         self._pending: dict[bytes, _Pending] = {}
         self._probes = 0
         self._stop = threading.Event()

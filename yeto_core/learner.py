@@ -58,6 +58,7 @@ class LearnerStats:
     tokens: int = 0
     pushes: int = 0
     push_failures: int = 0
+    replays: int = 0  # pushes sent again, unchanged, when the syncer re-pulled their round
     installs: int = 0
     final_installed: bool = False
     connected_generations: list[int] = field(default_factory=list)
@@ -85,6 +86,9 @@ class LearnerSession:
         self._bcasts: dict[int, tuple[Bcast, torch.Tensor]] = {}
         self._finals: dict[int, tuple[Final, torch.Tensor]] = {}
         self._push: PushJob | None = None
+        self._unconfirmed: dict[int, PushJob] = {}  # per fragment: pushed, its round's BCAST not installed yet
+        self._links = 0  # connections made so far (the syncer's generation numbers restart with it)
+        self._pushed_on: dict[int, int] = {}  # per fragment: the connection its unconfirmed push went out on
         self._done_sent_generation: int | None = None
         self._generation: int | None = None
         self._last_step_at: float | None = None
@@ -251,6 +255,7 @@ class LearnerSession:
             block = False
             if isinstance(item, Connected):
                 self._generation = item.generation
+                self._links += 1
                 self.stats.connected_generations.append(item.generation)
             elif isinstance(item, Lost):
                 self._generation = None
@@ -264,6 +269,7 @@ class LearnerSession:
             current = self._pulls.get(msg.fragment)
             if current is None or (msg.round, msg.attempt) > (current.round, current.attempt):
                 self._pulls[msg.fragment] = msg
+                self._replay(msg.fragment)
         elif isinstance(msg, Bcast):
             assert item.values is not None
             held = self._bcasts.get(msg.fragment)
@@ -284,6 +290,9 @@ class LearnerSession:
                 self._install(index, values, alpha=0.0 if first else self.settings.merge_alpha)
                 state.version = msg.version
                 self.stats.installs += 1
+            sent = self._unconfirmed.get(index)
+            if sent is not None and state.version > sent.base_version:
+                del self._unconfirmed[index]  # its round committed (with or without it): nothing to replay
         self._bcasts.clear()
 
     def _install(self, index: int, values: torch.Tensor, *, alpha: float) -> None:
@@ -322,17 +331,48 @@ class LearnerSession:
         with torch.no_grad():
             return torch.cat([self.params[s.name].detach().reshape(-1).float() for s in slots])
 
+    def _push_in_flight(self) -> bool:
+        """Whether the last push is still streaming; if it ended, account for it."""
+        if self._push is None:
+            return False
+        if not self._push.done.is_set():
+            return True
+        if self._push.error:
+            self.stats.push_failures += 1
+            log.info("learner %d: push of fragment %d failed (%s)", self.settings.learner_id,
+                     self._push.pull.fragment, self._push.error)
+        else:
+            self.stats.pushes += 1
+        self._push = None
+        return False
+
+    def _replay(self, fragment: int) -> None:
+        """The syncer pulls again a round this learner already answered (its connection dropped,
+        or it restarted before committing the round): send the same delta, tokens and steps
+        again, at once. The round then merges what it would have merged undisturbed, and the
+        steps trained since are neither counted twice nor lost: they stay in θ − anchor."""
+        sent, pull = self._unconfirmed.get(fragment), self._pulls.get(fragment)
+        if sent is None or pull is None or pull.round != sent.pull.round:
+            return
+        if pull.attempt == sent.pull.attempt and self._pushed_on.get(fragment) == self._links:
+            return  # the very pull it answered
+        if pull.version != sent.base_version or self.fragments[fragment].version != sent.base_version:
+            del self._unconfirmed[fragment]  # the base moved on: the old delta no longer applies
+            return
+        if self._push_in_flight():
+            return  # the next boundary answers this pull with a fresh delta instead
+        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta)
+        del self._pulls[fragment]
+        self._push = self._unconfirmed[fragment] = job
+        self._pushed_on[fragment] = self._links
+        self.stats.replays += 1
+        log.info("learner %d: round %d pulled again (attempt %d); pushing the same delta", self.settings.learner_id,
+                 pull.round, pull.attempt)
+        self.client.submit(job)
+
     def _boundary(self) -> None:
-        if self._push is not None:
-            if not self._push.done.is_set():
-                return  # one push in flight at a time; pulls stay pending
-            if self._push.error:
-                self.stats.push_failures += 1
-                log.info("learner %d: push of fragment %d failed (%s)", self.settings.learner_id,
-                         self._push.pull.fragment, self._push.error)
-            else:
-                self.stats.pushes += 1
-            self._push = None
+        if self._push_in_flight():
+            return  # one push in flight at a time; pulls stay pending
         for pull in sorted(self._pulls.values(), key=lambda p: (p.round, p.attempt)):
             state = self.fragments[pull.fragment]
             if state.version > pull.version:
@@ -344,6 +384,7 @@ class LearnerSession:
             delta = self._gather(pull.fragment).sub_(state.anchor)
             job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, self._step_s, delta)
             del self._pulls[pull.fragment]
-            self._push = job
+            self._push = self._unconfirmed[pull.fragment] = job
+            self._pushed_on[pull.fragment] = self._links
             self.client.submit(job)
             return

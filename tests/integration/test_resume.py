@@ -25,7 +25,7 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import load_checkpoint
+from syncer.checkpoint import last_generations, ledger_key, load_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -79,10 +79,21 @@ def test_killed_syncer_resumes_on_the_same_port(procs: Procs, key_file: Path) ->
     records = second.tape_records()
     assert sorted(r["learner"] for r in records if r["event"] == "join") == [0, 1]
     assert not any(r["event"] == "init" for r in records), "the resumed syncer took a new INIT"
+    numbered_from = last_generations(saved.ledger)
+    for join in (r for r in records if r["event"] == "join"):  # (learner, generation) names one connection
+        assert join["generation"] > numbered_from.get(join["learner"], 0), join
 
     final = load_checkpoint(first.checkpoint)
     assert final.finalized and final.next_round == rounds
     assert final.versions == versions == [rounds // FRAGMENTS] * FRAGMENTS
+    # Every committed round's tokens are in the ledger once: rounds the first syncer committed after
+    # its last checkpoint were redone, and only the redone commit counts.
+    by_round = {c["round"]: c for c in before if c["round"] < saved.next_round} | {c["round"]: c for c in after}
+    expected: dict[str, int] = {}
+    for c in by_round.values():
+        for lid, gen, tokens in zip(c["learners"], c["generations"], c["tokens"], strict=True):
+            expected[ledger_key(lid, gen)] = expected.get(ledger_key(lid, gen), 0) + tokens
+    assert final.ledger == expected
 
     for lp in learners:
         last = eval_loss(lp, "final")

@@ -12,7 +12,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint, save_checkpoint
+from syncer.checkpoint import (
+    CheckpointError,
+    SyncerState,
+    last_generations,
+    ledger_key,
+    load_checkpoint,
+    parse_ledger_key,
+    save_checkpoint,
+    tokens_by_learner,
+)
 from yeto_core.layout import TensorSpec, build_layout
 
 pytestmark = pytest.mark.unit
@@ -295,3 +304,19 @@ def test_delayed_nesterov_state_round_trips(tmp_path: Path) -> None:
                         next_round=5, ledger={})
     save_checkpoint(path, plain)
     assert load_checkpoint(path).outer_accum is None
+
+
+def test_the_ledger_counts_per_learner_and_generation() -> None:
+    ledger = {ledger_key(0, 1): 100, ledger_key(0, 3): 50, ledger_key(2, 1): 7, "5": 9}  # "5": an older checkpoint
+    assert parse_ledger_key("0:3") == (0, 3) and parse_ledger_key("5") == (5, 0)
+    assert tokens_by_learner(ledger) == {0: 150, 2: 7, 5: 9}
+    assert last_generations(ledger) == {0: 3, 2: 1, 5: 0}
+
+
+def test_a_ledger_key_that_names_no_learner_is_refused(tmp_path: Path) -> None:
+    state = make_state()
+    state.ledger = {"0:x": 1}
+    path = tmp_path / "bad-ledger.safetensors"
+    save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match="malformed 'yeto' metadata"):
+        load_checkpoint(path)
