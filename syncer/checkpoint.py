@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from yeto_core.faults import fault_point
 from yeto_core.layout import Layout, TensorSpec, build_layout
 
 FORMAT_VERSION = 1
@@ -178,6 +179,7 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -
                     bar.update(min(_CHUNK, len(raw) - start))
             f.flush()
             os.fsync(f.fileno())
+        fault_point("mid-checkpoint")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

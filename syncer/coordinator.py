@@ -42,6 +42,7 @@ from syncer.snapshots import CheckpointWriter
 from syncer.tape import EventTape
 from yeto_core.codecs import F32, codec_by_id, tensor_bytes
 from yeto_core.downlink import DownlinkEncoder
+from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
 from yeto_core.layout import Layout, build_layout
 from yeto_core.quant import DEFAULT_BLOCK
 from yeto_core.settings import SyncerSettings
@@ -304,6 +305,8 @@ class Coordinator(PushIntake):
         self._init.received.add(msg.fragment)
         if len(self._init.received) == self.layout.num_fragments:
             self._initial_cut()
+        else:
+            fault_point("mid-init")
 
     def _initial_cut(self) -> None:
         assert self.state is not None
@@ -412,6 +415,7 @@ class Coordinator(PushIntake):
                           momentum=self.state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,
                           threads=self.settings.merge_threads)
+        fault_point("mid-merge")
         if self.state.outer_accum is not None:
             self.state.outer_accum[f] = self.outer_state[f].get(ACCUM_KEY, self.state.outer_accum[f])
             self.state.outer_count[f] = int(self.outer_state[f].get(COUNT_KEY, 0))
@@ -471,12 +475,17 @@ class Coordinator(PushIntake):
         else:
             self.downlink.anchors[f] = None  # nobody follows the chain: restart it with a FULL later
         exact: memoryview | None = None
-        for link in links:
+        if len(links) < 2:
+            fault_point("mid-bcast")
+        for n, link in enumerate(links):
             if link.bcast_delta:
-                link.group.send(delta_msg, b.payload)
+                ticket = link.group.send(delta_msg, b.payload)
             else:
                 exact = self._fragment_bytes(f) if exact is None else exact
-                link.group.send(Bcast(f, version, round_id, BCAST_FULL, 0, 0, F32.wire_id), exact)
+                ticket = link.group.send(Bcast(f, version, round_id, BCAST_FULL, 0, 0, F32.wire_id), exact)
+            if n == 0 and len(links) > 1 and armed("mid-bcast"):
+                ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
+                fault_point("mid-bcast")
 
     def _send_full_state(self, link: Link) -> None:
         """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor)."""
@@ -491,12 +500,14 @@ class Coordinator(PushIntake):
                 msg = Bcast(i, version, self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
                 link.group.send(msg, self._fragment_bytes(i))
 
-    def _send_final(self, link: Link) -> None:
+    def _send_final(self, link: Link, *, wait_s: float = 0.0) -> None:
         assert self.state is not None
         p = self.state.num_fragments
         for i in range(p):
             msg = Final(i, self.state.versions[i], p, self.state.next_round, 0, 0, F32.wire_id)
-            link.group.send(msg, self._fragment_bytes(i))
+            ticket = link.group.send(msg, self._fragment_bytes(i))
+            if wait_s:
+                ticket.wait(wait_s)
         link.final_sent = True
 
     def _begin_finalizing(self, reason: str, *, save: bool = True) -> None:
@@ -514,8 +525,14 @@ class Coordinator(PushIntake):
                  reason, len(self.links))
         self.phase = Phase.FINALIZING
         self._final_deadline = self.clock() + self.settings.final_timeout_s
-        for link in list(self.links.values()):
-            self._send_final(link)
+        links = list(self.links.values())
+        if len(links) < 2:
+            fault_point("mid-final")
+        for n, link in enumerate(links):
+            some = n == 0 and len(links) > 1
+            self._send_final(link, wait_s=FAULT_SEND_WAIT_S if some and armed("mid-final") else 0.0)
+            if some:
+                fault_point("mid-final")
 
     def _show_progress(self) -> bool:
         # A bar only where someone watches, or where the write takes long enough to wonder about.

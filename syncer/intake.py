@@ -19,6 +19,7 @@ from syncer.commit import decode_delta, payload_problem
 from syncer.links import Carried, Decoded, Link
 from syncer.rounds import Answer, Attempt, PushFate, RoundState, SchedulerConfig, fragment_of_round, judge_push
 from syncer.tape import EventTape
+from yeto_core.faults import fault_point
 from yeto_core.layout import Layout
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import Error, Push
@@ -45,6 +46,7 @@ class PushIntake:
 
     def _on_push(self, link: Link, msg: Push, payload: memoryview | None) -> None:
         assert self.state is not None and self.layout is not None
+        fault_point("before-push")
         lid = link.learner_id
         if msg.step_us:  # ξ_step: EMA of each learner's reported time per inner step
             step_s = msg.step_us / 1e6

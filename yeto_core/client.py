@@ -24,6 +24,7 @@ import torch
 
 from yeto_core.codecs import BF16, F32, Bf16Parts, Codec, tensor_bytes
 from yeto_core.downlink import AnchorMismatch, DownlinkDecoder
+from yeto_core.faults import fault_point
 from yeto_core.layout import Layout
 from yeto_core.wire import auth
 from yeto_core.wire.buffers import receive_buffer
@@ -303,6 +304,8 @@ class SyncerClient:
                     log.warning("learner 0: INIT upload interrupted (%s)", ticket.error)
                     return
                 bar.update(len(payload))
+                if frag.index + 1 < len(values):
+                    fault_point("mid-init")
         log.info("learner 0: INIT of %d fragments (%.1f MB) uploaded", len(values), total / 1e6)
 
     def _on_message(self, msg: Message, payload: memoryview | None) -> None:
@@ -366,6 +369,7 @@ class SyncerClient:
         return buf
 
     def _send_push(self, job: PushJob) -> None:
+        fault_point("before-push")
         with self._group_lock:
             group = self._group
         if group is None or group.closed:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from yeto_core.faults import fault_point
 from yeto_core.wire.buffers import RECEIVE_POOL, BufferPool, receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
@@ -267,7 +268,8 @@ class Reassembler:
         with self._lock:
             return len(self._transfers)
 
-    def chunk_done(self, transfer: int, n: int) -> None:
+    def chunk_done(self, transfer: int, n: int) -> bool:
+        """Account `n` bytes of `transfer` written; True while some of its bytes are still missing."""
         with self._lock:
             inc = self._transfers.get(transfer)
             if inc is None:
@@ -275,9 +277,11 @@ class Reassembler:
             inc.received += n
             if inc.received > len(inc.buffer):
                 raise ProtocolError(f"{self._peer}: transfer {transfer} received more bytes than announced")
+            missing = inc.received < len(inc.buffer)
             done = self._complete(transfer, inc)
         if done:
             self._deliver(*done)
+        return missing
 
 
 class ConnectionGroup:
@@ -551,7 +555,8 @@ class ConnectionGroup:
                 n = length - CHUNK_HEADER.size
                 stream.read_into(self._reassembler.chunk_target(transfer, total, offset, n))
                 self._last_heard = time.monotonic()
-                self._reassembler.chunk_done(transfer, n)
+                if self._reassembler.chunk_done(transfer, n):
+                    fault_point("mid-stripe")  # part of a multi-chunk transfer is in, the rest is not
         except ProtocolError as exc:
             self._refuse(str(exc))
         except (ConnectionClosed, OSError) as exc:
