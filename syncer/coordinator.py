@@ -102,6 +102,7 @@ class Coordinator(PushIntake):
                        if settings.delta_correction == "heloco" else None)
         self.attempts: dict[int, Attempt] = {}  # open rounds, by round id
         self.ready: dict[int, tuple[Attempt, str, dict[int, int]]] = {}  # decided, waiting to commit in order
+        self.parked: set[int] = set()  # retried rounds waiting for enough learners to relaunch
         self.carried: dict[int, dict[int, Carried]] = {}  # fragment -> learner -> late push
         self.step_s: dict[int, float] = {}  # ξ_step per learner (EMA of reported step times)
         self.sync_s = 0.0  # ξ_sync: EMA of merge + commit + broadcast time
@@ -368,7 +369,12 @@ class Coordinator(PushIntake):
                 self.tape.append({"event": "retry", "round": r, "attempt": attempt.attempt,
                                   "fragment": attempt.fragment, "reason": reason, "answered": sorted(attempt.answers)})
                 del self.attempts[r]
-                self._launch(r, now, live)
+                self.parked.add(r)
+        for r in sorted(self.parked):  # a retry waits for a quorum of learners instead of spinning
+            if len(live) < self._quorum():
+                break
+            self.parked.discard(r)
+            self._launch(r, now, live)
         while self.state.next_round in self.ready:  # commits strictly in round order
             attempt, reason, seen_live = self.ready.pop(self.state.next_round)
             self._commit(attempt, reason, seen_live)
@@ -381,9 +387,10 @@ class Coordinator(PushIntake):
         assert self.state is not None and self.layout is not None
         depth = pipeline_depth(self.sched.pipeline, self.layout.num_fragments)
         interval = round_interval(self._fleet_step_s(live), self.layout.num_fragments, self.sched)
-        go, reason = should_launch(now, cfg=self.sched, next_round=self.next_launch,
-                                   in_flight=len(self.attempts) + len(self.ready), depth=depth, eligible=len(live),
-                                   quorum=self._quorum(), last_launch=self._last_launch, interval_s=interval)
+        in_flight = len(self.attempts) + len(self.ready) + len(self.parked)
+        go, reason = should_launch(now, cfg=self.sched, next_round=self.next_launch, in_flight=in_flight,
+                                   depth=depth, eligible=len(live), quorum=self._quorum(),
+                                   last_launch=self._last_launch, interval_s=interval)
         if not go:
             if reason != self._last_wait_reason and not reason.startswith(("throttled", "all ")):
                 log.info("waiting: %s", reason)
@@ -516,6 +523,7 @@ class Coordinator(PushIntake):
             self.tape.append({"event": "abandon", "round": a.round, "attempt": a.attempt, "reason": "finalizing"})
         self.attempts.clear()
         self.ready.clear()
+        self.parked.clear()
         self.state.finalized = True
         if save:
             self._save_checkpoint(wait=True)  # durable before any FINAL goes out

@@ -34,6 +34,7 @@ class PushIntake:
     state: Any
     attempts: dict[int, Attempt]
     ready: dict[int, Any]
+    parked: set[int]
     carried: dict[int, dict[int, Carried]]
     step_s: dict[int, float]
     links: dict[int, Link]
@@ -96,7 +97,7 @@ class PushIntake:
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         assert self.state is not None and self.layout is not None
         r = msg.round
-        if r in self.attempts:
+        if r in self.attempts or r in self.parked:  # a parked round is open, its attempt retired: carry
             state = RoundState.OPEN
         elif r in self.ready:
             state = RoundState.CLOSED
