@@ -89,6 +89,7 @@ class LearnerSession:
         self._unconfirmed: dict[int, PushJob] = {}  # per fragment: pushed, its round's BCAST not installed yet
         self._links = 0  # connections made so far (the syncer's generation numbers restart with it)
         self._pushed_on: dict[int, int] = {}  # per fragment: the connection its unconfirmed push went out on
+        self._pushed_at: dict[int, tuple[int, int]] = {}  # per fragment: (tokens, steps) counters at that push
         self._done_sent_generation: int | None = None
         self._generation: int | None = None
         self._last_step_at: float | None = None
@@ -293,6 +294,11 @@ class LearnerSession:
             sent = self._unconfirmed.get(index)
             if sent is not None and state.version > sent.base_version:
                 del self._unconfirmed[index]  # its round committed (with or without it): nothing to replay
+                # Steps trained between the push and this install belong to the next push of this
+                # fragment: each step is counted once per fragment, however long the round took.
+                marks = self._pushed_at.pop(index, None)
+                if marks is not None:
+                    state.tokens_mark, state.steps_mark = marks
         self._bcasts.clear()
 
     def _install(self, index: int, values: torch.Tensor, *, alpha: float) -> None:
@@ -358,6 +364,7 @@ class LearnerSession:
             return  # the very pull it answered
         if pull.version != sent.base_version or self.fragments[fragment].version != sent.base_version:
             del self._unconfirmed[fragment]  # the base moved on: the old delta no longer applies
+            self._pushed_at.pop(fragment, None)
             return
         if self._push_in_flight():
             return  # the next boundary answers this pull with a fresh delta instead
@@ -386,5 +393,6 @@ class LearnerSession:
             del self._pulls[pull.fragment]
             self._push = self._unconfirmed[pull.fragment] = job
             self._pushed_on[pull.fragment] = self._links
+            self._pushed_at[pull.fragment] = (self.stats.tokens, self.stats.steps)
             self.client.submit(job)
             return

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,13 @@ from conftest import (
     Island,
     LoopbackRelay,
     Procs,
-    Syncer,
     checkpoint_params,
     shut_both,
     start_syncer,
     syncer_exit_code,
     wait_until,
 )
-
-from yeto_core.client import PushJob
-from yeto_core.learner import LearnerSession
+from lockstep import lock_step
 
 pytestmark = pytest.mark.integration
 
@@ -219,76 +215,7 @@ def test_a_learner_killed_mid_run_stalls_nothing(procs: Procs, key_file: Path) -
     assert any(2 in c["dropped"] for c in done) or all(2 not in c["not_waited_for"] for c in after)
 
 
-# -- deterministic schedules -----------------------------------------------------------------------
-def settle(island: Island, what: Callable[[], bool], deadline: float, describe: str, syncer: Syncer) -> None:
-    """Move whatever the syncer sent into the session (nothing is installed) until `what()` holds."""
-    while True:
-        island.session._drain(timeout=0.01)
-        if what():
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"lock-step driver: timed out waiting for {describe}\n{syncer.proc.tail()}")
-
-
-def pushed(job: PushJob, s: LearnerSession) -> bool:
-    return job.done.is_set() or s._final_ready()
-
-
-def has_bcast(s: LearnerSession, fragment: int, version: int) -> bool:
-    held = s._bcasts.get(fragment)
-    return s._final_ready() or s.fragments[fragment].version >= version or (held is not None and
-                                                                             held[0].version >= version)
-
-
-def has_pull(s: LearnerSession, round_id: int) -> bool:
-    return s._final_ready() or any(p.round == round_id for p in s._pulls.values())
-
-
-def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float) -> int:
-    """Drive `islands` in one thread so that every learner sees the same schedule on every run.
-
-    Before each step of each island: its last push has been streamed and the BCAST of that round
-    has arrived (so it installs at this very step); before a boundary step: the PULL it answers
-    has arrived (round k is answered at boundary step (k + 1)·H/P). Round k then merges the same
-    deltas, whatever the syncer's pipelining or timing. Returns the most PULLs ever pending at
-    once on one island (above 1 only when rounds overlapped).
-    """
-    most = 0
-    threads = [threading.Thread(target=i.start) for i in islands]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(i.session._all_installed() for i in islands), "an island did not get the initial cut"
-    deadline = time.monotonic() + timeout
-    waiting: dict[int, tuple[int, int]] = {}  # island -> (fragment, version) of the BCAST it waits for
-    while not all(i.finished for i in islands):
-        for n, island in enumerate(islands):
-            if island.finished:
-                continue
-            s = island.session
-            be = s.boundary_every
-            step = s.stats.steps + 1
-            if s._push is not None:
-                job = s._push
-                settle(island, functools.partial(pushed, job, s), deadline, "a push to stream", syncer)
-                assert not job.error, job.error
-                waiting[n] = (job.pull.fragment, job.pull.version + 1)
-            if n in waiting:
-                f, v = waiting[n]
-                settle(island, functools.partial(has_bcast, s, f, v), deadline,
-                       f"the BCAST of fragment {f} version {v}", syncer)
-                del waiting[n]
-            if step % be == 0:
-                k = step // be - 1
-                settle(island, functools.partial(has_pull, s, k), deadline, f"the PULL of round {k}", syncer)
-            most = max(most, len(s._pulls))
-            island.train_step()
-            if not island.finished and step % be == 0 and not s._final_ready():
-                assert s._push is not None and s._push.pull.round == step // be - 1, "the boundary pushed nothing"
-    return most
-
-
+# -- deterministic schedules (lockstep.py says what makes one) ----------------------------------------
 def deterministic_run(procs: Procs, key_file: Path, tag: str, *, learners: int, pipeline: int,
                       merge_threads: int, total: int = 16) -> dict[str, torch.Tensor]:
     syncer = start_syncer(procs, key_file=key_file, learners=learners, quorum=learners, fragments=4,

@@ -1,0 +1,139 @@
+"""A lock-step driver: in-process islands stepped in one thread so every run sees one schedule.
+
+What makes a schedule deterministic (the same bits on every run, whatever the timing):
+
+* every island's data and initial weights come from fixed seeds (`SeededIsland`);
+* one thread steps the islands in a fixed order, and before each step of each island the driver
+  waits until (a) its last push has been handed to the kernel, (b) the BCAST of the round that
+  push answered has arrived, so the island installs it at this very step, and (c) before a
+  boundary step, the PULL it answers there has arrived (round k is answered at boundary step
+  (k + 1)·H/P);
+* the syncer waits for every learner (`--quorum` = learners) and merges on the CPU with a fixed
+  thread count.
+
+Round k then merges the same deltas, with the same tokens and steps, in every run. Faults do not
+change that: a push lost with its connection, or a round the syncer lost when it died before the
+round was durable, is pulled again, and the learner sends the same delta again at once (it keeps
+each push until its round's BCAST is installed), while the driver holds the island at its step.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Island, Syncer
+
+from yeto_core.client import PushJob
+from yeto_core.learner import LearnerSession
+
+
+class SeededIsland(Island):
+    """An `Island` whose batches come from its own generator, not torch's global one."""
+
+    def __init__(self, syncer: Syncer, key_file: Path, learner_id: int = 0,
+                 model: Callable[[], torch.nn.Module] | None = None, in_features: int = 8, **settings: Any) -> None:
+        super().__init__(syncer, key_file, learner_id, **settings)
+        self.in_features = in_features
+        if model is not None:  # rebuild with another model, seeded the same way
+            torch.manual_seed(learner_id)
+            self.model = model()
+            self.target = torch.randn(in_features, 4)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            self.session = LearnerSession(self.session.settings, list(self.model.named_parameters()))
+        self.batches = torch.Generator().manual_seed(1000 + learner_id)
+
+    def train_step(self) -> bool:
+        x = torch.randn(16, self.in_features, generator=self.batches)
+        loss = torch.nn.functional.mse_loss(self.model(x), x @ self.target)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.finished = self.session.step(tokens=16)
+        return self.finished
+
+
+def settle(islands: Sequence[Island], what: Callable[[], bool], deadline: float, describe: str,
+           syncer: Syncer) -> None:
+    """Move whatever the syncer sent into the sessions (nothing is installed) until `what()` holds.
+
+    Every island is drained, not only the one waiting: a round the syncer pulls again completes
+    only when every island has seen that PULL and replayed its push."""
+    while True:
+        for island in islands:
+            island.session._drain(timeout=0.01 / len(islands))
+        if what():
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"lock-step driver: timed out waiting for {describe}\n{syncer.proc.tail()}")
+
+
+def pushed(job: PushJob, s: LearnerSession) -> bool:
+    return job.done.is_set() or s._final_ready()
+
+
+def has_bcast(s: LearnerSession, fragment: int, version: int) -> bool:
+    held = s._bcasts.get(fragment)
+    return s._final_ready() or s.fragments[fragment].version >= version or (held is not None and
+                                                                             held[0].version >= version)
+
+
+def has_pull(s: LearnerSession, round_id: int) -> bool:
+    return s._final_ready() or any(p.round == round_id for p in s._pulls.values())
+
+
+def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faults: bool = False,
+              before_step: Callable[[int, int], None] | None = None) -> int:
+    """Drive `islands` in one thread so that every learner sees the same schedule on every run.
+
+    `faults`: a push may fail (its connection dropped); the driver then waits for the round's
+    BCAST all the same, which comes after the learner's replay. `before_step(island, step)` runs
+    right before each step (a test's hook to disturb the run at a fixed point of the schedule).
+    Returns the most PULLs ever pending at once on one island (above 1 only when rounds overlapped).
+    """
+    most = 0
+    threads = [threading.Thread(target=i.start) for i in islands]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert all(i.session._all_installed() for i in islands), "an island did not get the initial cut"
+    deadline = time.monotonic() + timeout
+    waiting: dict[int, tuple[int, int]] = {}  # island -> (fragment, version) of the BCAST it waits for
+    while not all(i.finished for i in islands):
+        for n, island in enumerate(islands):
+            if island.finished:
+                continue
+            s = island.session
+            be = s.boundary_every
+            step = s.stats.steps + 1
+            if s._push is not None:
+                job = s._push
+                settle(islands, functools.partial(pushed, job, s), deadline, "a push to stream", syncer)
+                assert faults or not job.error, job.error
+                waiting[n] = (job.pull.fragment, job.pull.version + 1)
+            if n in waiting:
+                f, v = waiting[n]
+                settle(islands, functools.partial(has_bcast, s, f, v), deadline,
+                       f"the BCAST of fragment {f} version {v}", syncer)
+                del waiting[n]
+            if step % be == 0:
+                k = step // be - 1
+                settle(islands, functools.partial(has_pull, s, k), deadline, f"the PULL of round {k}", syncer)
+            if s._push is not None and not s._push.done.is_set():  # a replay submitted while it waited
+                settle(islands, functools.partial(pushed, s._push, s), deadline, "a replayed push to stream", syncer)
+            most = max(most, len(s._pulls))
+            if before_step is not None:
+                before_step(n, step)
+            island.train_step()
+            if not island.finished and step % be == 0 and not s._final_ready():
+                assert s._push is not None and s._push.pull.round == step // be - 1, (
+                    f"island {n} step {step}: the boundary pushed nothing (push in flight: "
+                    f"{None if s._push is None else (s._push.pull, s._push.done.is_set())}, pulls {s._pulls})")
+    return most
