@@ -1,5 +1,7 @@
 """WAN robustness (SPEC §4.6): a data stream that stops moving mid-push is detected by the stall
-watchdog, the learner redials, and the run still ends with every learner holding the syncer's bits."""
+watchdog, the learner redials, and the run still ends with every learner holding the syncer's bits;
+under a deterministic lock-step schedule the stalled run ends with exactly the bits of an
+undisturbed one (the syncer re-pulls the round and both islands replay their pushes)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from conftest import (
     start_syncer,
     syncer_exit_code,
 )
+from lockstep import SeededIsland, lock_step
 
 pytestmark = pytest.mark.integration
 
@@ -87,3 +90,53 @@ def test_a_stalled_data_stream_is_detected_and_the_learner_redials(procs: Procs,
     reference = checkpoint_params(syncer.checkpoint)
     for name, param in island.model.named_parameters():
         assert torch.equal(param.detach(), reference[name]), name
+
+
+DETERMINISTIC_ROUNDS = 12
+STALLED_ROUND = 5
+
+
+def two_island_run(procs: Procs, key_file: Path, tag: str, *, stall: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """Two islands in lock step (`lockstep.py`), island 1 through a stalling proxy; with `stall`,
+    island 1's data stream freezes right before the boundary step that answers STALLED_ROUND."""
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4,
+                          total_rounds=DETERMINISTIC_ROUNDS, tape_name=f"{tag}.jsonl",
+                          checkpoint_name=f"{tag}.safetensors",
+                          extra=["--wan-stall-timeout", str(STALL_S), "--pipeline", "1", "--merge-threads", "1",
+                                 "--device", "cpu", "--final-timeout-s", "20"])
+    assert syncer.checkpoint is not None
+    proxy = StallingProxy(("127.0.0.1", syncer.port))
+    routes = [syncer, dataclasses.replace(syncer, port=proxy.port)]
+    islands = [SeededIsland(routes[lid], key_file, lid, data_streams=1, wan_stall_timeout_s=STALL_S)
+               for lid in range(2)]
+    stall_step = (STALLED_ROUND + 1) * islands[1].session.settings.sync_interval // 4
+
+    def before_step(n: int, step: int) -> None:
+        if stall and n == 1 and step == stall_step:
+            proxy.freeze(1)  # island 1's only data stream: the push it makes at this step stalls mid-flight
+
+    try:
+        lock_step(syncer, islands, timeout=60, faults=stall, before_step=before_step)
+        generations = len(islands[1].session.stats.connected_generations)
+    finally:
+        for island in islands:
+            island.close()
+        proxy.close()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    params = checkpoint_params(syncer.checkpoint)
+    for n, island in enumerate(islands):
+        for name, p in island.model.named_parameters():
+            assert torch.equal(p.detach(), params[name]), f"island {n}: {name} differs from the checkpoint"
+    if stall:
+        assert f"an inbound message stopped growing for {STALL_S:g} s" in syncer.proc.stderr(), syncer.proc.tail()
+    return params, generations
+
+
+@pytest.mark.timeout(150)
+def test_a_stalled_push_is_recovered_to_the_bits_of_an_undisturbed_run(procs: Procs, key_file: Path) -> None:
+    calm, calm_links = two_island_run(procs, key_file, "undisturbed", stall=False)
+    stalled, stalled_links = two_island_run(procs, key_file, "stalled", stall=True)
+    assert calm_links == 1 and stalled_links >= 2, "the stalled island never redialed"
+    assert calm.keys() == stalled.keys()
+    for name, value in calm.items():
+        assert torch.equal(stalled[name], value), f"{name}: the stalled run differs from the undisturbed one"
