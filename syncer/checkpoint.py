@@ -13,11 +13,12 @@ everything before it returns, so a bad file never reaches the coordinator's stat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,12 @@ def _metadata(state: SyncerState) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
-def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -> int:
-    """Write ``state`` to ``path`` atomically; returns the number of bytes written."""
+def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
+                    read: Callable[[str, int], contextlib.AbstractContextManager[torch.Tensor]] | None = None) -> int:
+    """Write ``state`` to ``path`` atomically; returns the number of bytes written.
+
+    ``read(kind, fragment)``, when given, is entered around each piece the writer reads and yields
+    the tensor to read it from ("param", "momentum" or "accum"; see `snapshots.CopyOnWrite`)."""
     if sys.byteorder != "little":
         raise RuntimeError("checkpoints are written on little-endian hosts only")
     path = Path(path)
@@ -172,11 +177,13 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False) -
             f.write(struct.pack("<Q", len(head)) + head)
             bar.update(8 + len(head))
             for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
-                piece = bufs[name.split("/", 1)[0]][frag].detach()[offset : offset + numel]
-                raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
-                for start in range(0, len(raw), _CHUNK):
-                    f.write(raw[start : start + _CHUNK])
-                    bar.update(min(_CHUNK, len(raw) - start))
+                kind = name.split("/", 1)[0]
+                with read(kind, frag) if read is not None else contextlib.nullcontext(bufs[kind][frag]) as source:
+                    piece = source.detach()[offset : offset + numel]
+                    raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
+                    for start in range(0, len(raw), _CHUNK):
+                        f.write(raw[start : start + _CHUNK])
+                        bar.update(min(_CHUNK, len(raw) - start))
             f.flush()
             os.fsync(f.fileno())
         fault_point("mid-checkpoint")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from syncer.checkpoint import CheckpointError, SyncerState, ledger_key
+from syncer.checkpoint import CheckpointError, SyncerState, ledger_key, tokens_by_learner
 from syncer.commit import merge_round
 from syncer.correction import HelocoConfig
 from syncer.intake import PushIntake
@@ -116,10 +116,15 @@ class Coordinator(PushIntake):
         self._stop_requested = False
         self.phase = Phase.WAIT_INIT
         self.next_launch = state.next_round if state is not None else 0
+        # Learners a finalizing syncer waits for even while none of them is connected: after a
+        # resume from a final checkpoint, everyone who trained (the ledger), until the deadline.
+        self._final_expected: set[int] = set()
+        self._final_acked: set[int] = set()
         if state is not None:
             self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
             self.phase = Phase.RUNNING
             if state.finalized:
+                self._final_expected = set(tokens_by_learner(state.ledger))
                 self._begin_finalizing("the resumed checkpoint is already final", save=False)
 
     # -- read by server threads (immutable references, safe to read without a lock) -----------
@@ -277,6 +282,8 @@ class Coordinator(PushIntake):
                 self.tape.append({"event": "done", "learner": link.learner_id, "step": msg.step})
         elif isinstance(msg, Bye):
             link.acked = link.final_sent
+            if link.acked:
+                self._final_acked.add(link.learner_id)
             log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
         elif isinstance(msg, Error):
             log.warning("learner %d reports %s: %s", link.learner_id, msg.code.name, msg.reason)
@@ -342,7 +349,8 @@ class Coordinator(PushIntake):
                 self.phase = Phase.DONE
             return
         if self.phase is Phase.FINALIZING:
-            waiting = [lid for lid, link in self.links.items() if not link.acked]
+            waiting = sorted({lid for lid, link in self.links.items() if not link.acked}
+                             | (self._final_expected - self._final_acked))
             if not waiting or now > self._final_deadline:
                 if waiting:
                     log.warning("learners %s did not confirm the final cut in time", waiting)
@@ -418,6 +426,8 @@ class Coordinator(PushIntake):
         assert self.state is not None
         t0 = time.perf_counter()
         f = attempt.fragment
+        if self.writer is not None:
+            self.writer.preserve(f)  # a background checkpoint still reading fragment f keeps its values
         out = merge_round(list(attempt.answers.values()), params=self.state.params[f],
                           momentum=self.state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,

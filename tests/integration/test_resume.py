@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,4 +128,39 @@ def test_background_checkpoints_and_no_duplicate_final_write(procs: Procs, key_f
     assert state.finalized and state.next_round == rounds
     reference = checkpoint_params(syncer.checkpoint)
     for name, param in island.model.named_parameters():
+        assert torch.equal(param.detach(), reference[name]), name
+
+
+@pytest.mark.timeout(120)
+def test_a_syncer_resumed_from_a_final_checkpoint_waits_for_its_learners(procs: Procs, key_file: Path) -> None:
+    """Killed after the final cut was written but before every learner had it, a syncer resumed
+    from that checkpoint hands the final cut to the learners that trained, even if none of them
+    is connected when it starts (it used to exit at once, leaving them without the final cut)."""
+    rounds = 8
+    first = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=4, total_rounds=rounds,
+                         tape_name="tape-1.jsonl")
+    island = Island(first, key_file, 0)
+    try:
+        island.start()
+        island.train_until(lambda: False, 60, "the final cut")
+    finally:
+        island.close()
+    assert syncer_exit_code(first) == 0
+    assert first.checkpoint is not None and load_checkpoint(first.checkpoint).finalized
+
+    second = start_syncer(procs, key_file=key_file, port=first.port, tape_name="tape-2.jsonl", resume=True,
+                          bind_retry_s=20, learners=1, quorum=1, fragments=4, total_rounds=rounds,
+                          extra=["--final-timeout-s", "60"])
+    wait_until(lambda: "already final" in second.proc.stderr(), 20, "the resumed syncer to start finalizing")
+    time.sleep(1.0)
+    assert second.proc.poll() is None, "the resumed syncer exited before its learner came back\n" + second.proc.tail()
+    late = Island(second, key_file, 0)
+    try:
+        late.start()
+        late.train_until(lambda: False, 30, "the final cut from the resumed syncer")
+    finally:
+        late.close()
+    assert syncer_exit_code(second) == 0, second.proc.tail()
+    reference = checkpoint_params(first.checkpoint)
+    for name, param in late.model.named_parameters():
         assert torch.equal(param.detach(), reference[name]), name
