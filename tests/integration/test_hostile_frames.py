@@ -60,6 +60,23 @@ def send_hello_with_wrong_mac(port: int, fingerprint: bytes, key: bytes) -> Erro
         stream.close()
 
 
+def send_replayed_hello(port: int, fingerprint: bytes, key: bytes) -> Error:
+    """A HELLO signed with the right key for one connection, replayed on another: its MAC covers
+    the first connection's challenge nonce, so the second refuses it (an eavesdropper cannot
+    reuse a learner's handshake)."""
+    first, challenge = dial(port)
+    first.close()  # the honest connection whose HELLO was captured
+    replay, _ = dial(port)
+    try:
+        replay.send_frame(hello(5, fingerprint, challenge.nonce, key))
+        err = read_until_error(replay)
+        assert err.code is ErrorCode.AUTH and "HMAC" in err.reason, err
+        assert_closed(replay)
+        return err
+    finally:
+        replay.close()
+
+
 def send_oversize_header(port: int, fingerprint: bytes, key: bytes) -> Error:
     stream, _ = dial(port)
     try:
@@ -90,6 +107,7 @@ def send_oversize_transfer(port: int, fingerprint: bytes, key: bytes) -> Error:
 HOSTILE: dict[str, Callable[[int, bytes, bytes], Error]] = {
     "garbage-first-frame": send_garbage,
     "hello-with-wrong-mac": send_hello_with_wrong_mac,
+    "replayed-hello": send_replayed_hello,
     "oversize-frame-header": send_oversize_header,
 }
 
