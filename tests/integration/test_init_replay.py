@@ -6,9 +6,8 @@ redials, replays MANIFEST + INIT, the syncer reaches the initial cut, and the ru
 syncer's initial state (its checkpoint at the initial cut) is learner 0's initial weights bit for
 bit, in the disturbed run as in an undisturbed one.
 
-The final checkpoints of the two runs are not compared: two undisturbed runs of this schedule
-already differ (when a broadcast is installed relative to the local steps depends on timing), so
-the test holds each run's learner to its own syncer's final checkpoint instead.
+Both runs train under the lock-step driver (`lockstep.py`), so their final checkpoints are
+compared too, bit for bit, as well as each learner against its own syncer's final checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import logging
 import shutil
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from conftest import (
     syncer_exit_code,
     wait_until,
 )
+from lockstep import lock_step
 
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
@@ -103,21 +102,17 @@ class WideIsland:
         self.session = LearnerSession(config, list(self.model.named_parameters()))
         self.finished = False
 
-    def train_until_final(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for _ in range(100_000):
-            x = torch.randn(8, WIDTH, generator=self.data)
-            loss = torch.nn.functional.mse_loss(self.model(x), x @ self.target)
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
-            if self.session.step(tokens=8):
-                self.finished = True
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.005)  # the session's network threads need the GIL too
-        pytest.fail(f"the learner did not reach the final cut within {timeout:.0f} s")
+    def start(self) -> None:
+        """Already started by the test (the lock-step driver calls this again: nothing to do)."""
+
+    def train_step(self) -> bool:
+        x = torch.randn(8, WIDTH, generator=self.data)
+        loss = torch.nn.functional.mse_loss(self.model(x), x @ self.target)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.finished = self.session.step(tokens=8)
+        return self.finished
 
 
 def one_run(procs: Procs, key_file: Path, *, cut: bool) -> dict[str, Any]:
@@ -140,7 +135,7 @@ def one_run(procs: Procs, key_file: Path, *, cut: bool) -> dict[str, Any]:
         # No push can have happened (no step ran), so the checkpoint still holds the initial cut.
         init_copy = procs.workdir / f"init-{tag}.safetensors"
         shutil.copyfile(checkpoint, init_copy)
-        island.train_until_final(120)
+        lock_step(syncer, [island], timeout=120, faults=cut)  # type: ignore[list-item]
         generations = list(island.session.stats.connected_generations)
         final_learner = {k: v.detach().clone() for k, v in island.model.named_parameters()}
     finally:
@@ -197,3 +192,4 @@ def test_an_init_cut_mid_upload_is_replayed_with_the_same_initial_cut(procs: Pro
         assert_equal(run["init"], run["initial_weights"], "the syncer's initial cut vs learner 0's initial weights")
         assert_equal(run["final"], run["final_learner"], "the learner's final weights vs the syncer's final checkpoint")
     assert_equal(disturbed["init"], clean["init"], "the initial cut after a replayed INIT vs an undisturbed one")
+    assert_equal(disturbed["final"], clean["final"], "the final model after a replayed INIT vs an undisturbed one")
