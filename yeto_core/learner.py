@@ -83,6 +83,7 @@ class LearnerSession:
         self._layout_lock = threading.Lock()
         self._init_cache: list[torch.Tensor] | None = None
         self._pulls: dict[int, Pull] = {}
+        self._pull_links: dict[int, int] = {}  # per fragment: the connection its pending PULL came on
         self._bcasts: dict[int, tuple[Bcast, torch.Tensor]] = {}
         self._finals: dict[int, tuple[Final, torch.Tensor]] = {}
         self._push: PushJob | None = None
@@ -259,8 +260,10 @@ class LearnerSession:
                 self._links += 1
                 self.stats.connected_generations.append(item.generation)
             elif isinstance(item, Lost):
+                # Pending PULLs are kept: a boundary reached while the link is down still computes
+                # its push (sent, or replayed when the syncer pulls the round again), so a
+                # reconnect never moves an answer to a later boundary.
                 self._generation = None
-                self._pulls.clear()  # the syncer re-pulls under new attempts after a reconnect
             elif isinstance(item, Received):
                 self._accept(item)
 
@@ -268,8 +271,10 @@ class LearnerSession:
         msg = item.msg
         if isinstance(msg, Pull):
             current = self._pulls.get(msg.fragment)
-            if current is None or (msg.round, msg.attempt) > (current.round, current.attempt):
+            newer_link = self._pull_links.get(msg.fragment) != self._links  # attempts restart with a syncer
+            if current is None or newer_link or (msg.round, msg.attempt) > (current.round, current.attempt):
                 self._pulls[msg.fragment] = msg
+                self._pull_links[msg.fragment] = self._links
                 self._replay(msg.fragment)
         elif isinstance(msg, Bcast):
             assert item.values is not None
