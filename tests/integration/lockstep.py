@@ -89,12 +89,14 @@ def has_pull(s: LearnerSession, round_id: int) -> bool:
 
 
 def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faults: bool = False,
-              before_step: Callable[[int, int], None] | None = None) -> int:
+              before_step: Callable[[int, int], None] | None = None, overlap_until: int = 0) -> int:
     """Drive `islands` in one thread so that every learner sees the same schedule on every run.
 
     `faults`: a push may fail (its connection dropped); the driver then waits for the round's
     BCAST all the same, which comes after the learner's replay. `before_step(island, step)` runs
     right before each step (a test's hook to disturb the run at a fixed point of the schedule).
+    `overlap_until` R > 0: at the boundary of round k < R − 1, also wait for the PULL of round k + 1,
+    so a pipelined syncer (`--pipeline 2`) is seen with two rounds in flight whatever the timing.
     Returns the most PULLs ever pending at once on one island (above 1 only when rounds overlapped).
     """
     most = 0
@@ -126,6 +128,9 @@ def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faul
             if step % be == 0:
                 k = step // be - 1
                 settle(islands, functools.partial(has_pull, s, k), deadline, f"the PULL of round {k}", syncer)
+                if k + 1 < overlap_until:
+                    settle(islands, functools.partial(has_pull, s, k + 1), deadline,
+                           f"the PULL of round {k + 1} (overlapping round {k})", syncer)
             if s._push is not None and not s._push.done.is_set():  # a replay submitted while it waited
                 settle(islands, functools.partial(pushed, s._push, s), deadline, "a replayed push to stream", syncer)
             most = max(most, len(s._pulls))

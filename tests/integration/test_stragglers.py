@@ -225,7 +225,7 @@ def deterministic_run(procs: Procs, key_file: Path, tag: str, *, learners: int, 
     assert syncer.checkpoint is not None
     islands = [Island(syncer, key_file, lid) for lid in range(learners)]
     try:
-        most_pulls = lock_step(syncer, islands, timeout=25)
+        most_pulls = lock_step(syncer, islands, timeout=25, overlap_until=total if pipeline > 1 else 0)
         assert_matches_checkpoint(islands, syncer.checkpoint)
     finally:
         for island in islands:
