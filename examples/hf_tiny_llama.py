@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-shards", type=int, default=2, help="how many learners share the training text")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (several processes share the CPU)")
     p.add_argument("--no-sync", action="store_true", help="train alone, without a syncer")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="train LoRA adapters of this rank on q_proj/v_proj (needs peft); 0: full fine-tuning")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -102,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     learner_id = int(os.environ.get("YETO_DILOCO_LEARNER_ID", "0"))
     train_set, eval_set = splits(args.seq_len, learner_id % args.num_shards, args.num_shards)
     model = build_model(args)
+    if args.lora_r:  # only the adapters train, so only they cross the wire
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"]))
 
     class JsonProgress(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     final = trainer.evaluate()["eval_loss"]
     final_installed = bool(yeto and yeto.final_installed)
     emit("eval", learner=learner_id, phase="final", loss=round(final, 4), final_cut=final_installed,
-         steps=result.global_step)
+         steps=result.global_step, bytes_pushed=yeto.session.client.bytes_pushed if yeto and yeto.session else 0)
     model.save_pretrained(args.output_dir)
     emit("saved", learner=learner_id, dir=str(args.output_dir), final_cut=final_installed)
     return 0

@@ -14,5 +14,5 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,dev]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,dev]"
 echo "$want" >"$stamp"

@@ -1,6 +1,7 @@
 """`yeto-export`: turn a syncer checkpoint into a Hugging Face model directory (SPEC §3.9).
 
     yeto-export --checkpoint syncer.safetensors --model CONFIG_DIR_OR_CACHED_ID --output-dir out/
+    yeto-export --checkpoint syncer.safetensors --model BASE_MODEL --adapter-config ADAPTER_DIR --output-dir out/
 
 The checkpoint alone is the source: no learner has to be alive. The model skeleton comes from
 ``AutoConfig`` + ``AutoModelForCausalLM.from_config`` (local files only, nothing is downloaded);
@@ -9,6 +10,13 @@ and the result is written with ``save_pretrained`` (safetensors) next to a small
 ``yeto_export.json`` that says where the weights came from. A checkpoint that does not fit the
 model (missing or unexpected tensors, other shapes) is refused with one message naming them.
 Log lines go to stderr; the exit status is 0 on success and 2 on any bad input.
+
+A LoRA run's checkpoint holds only the adapter tensors (the trainable ones). Its export needs
+the base model's weights (``--model``: a directory or cached id ``from_pretrained`` loads) and the
+adapter's configuration (``--adapter-config``: PEFT's ``adapter_config.json``, or the directory
+holding it, as ``save_pretrained`` of the learner's PEFT model writes it). It writes both the
+merged model (``output_dir``, adapters folded into the base weights) and the adapter alone
+(``output_dir/adapter``, loadable with ``PeftModel.from_pretrained``).
 """
 
 from __future__ import annotations
@@ -130,8 +138,38 @@ def copy_into(net: torch.nn.Module, tensors: dict[str, torch.Tensor], *, allow_m
     return missing
 
 
+def lora_model(model: str, adapter_config: Path, tensors: dict[str, torch.Tensor]) -> tuple[Any, list[str]]:
+    """The base model of `model` with the adapter of `adapter_config`, holding the checkpoint's
+    adapter tensors; returns it and the base parameters it kept as loaded."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ExportError("exporting a LoRA checkpoint needs the peft package (pip install peft)") from exc
+    from transformers import AutoModelForCausalLM
+
+    path = adapter_config / "adapter_config.json" if adapter_config.is_dir() else adapter_config
+    try:
+        config = LoraConfig.from_json_file(str(path))
+        config.pop("peft_type", None)
+        lora_config = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
+    except (OSError, ValueError, TypeError) as exc:
+        raise ExportError(f"cannot read a LoRA adapter config from {path}: {exc}") from exc
+    log(f"loading the base model from {model}")
+    try:
+        base = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32)
+    except Exception as exc:  # transformers raises assorted errors for a missing or partial model
+        raise ExportError(f"cannot load the base model's weights from {model!r} (a LoRA export needs the base "
+                          f"model the run started from, not only its config): {exc}") from exc
+    net = get_peft_model(base, lora_config)
+    left = copy_into(net, tensors, allow_missing=True)  # the frozen base weights stay as loaded
+    if stray := [n for n in left if "lora_" in n]:
+        raise ExportError(f"the adapter config of {path} makes {len(stray)} adapter tensor(s) the checkpoint "
+                          f"lacks: {_listed(stray)} (another rank or other target modules?)")
+    return net, left
+
+
 def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "float32",
-           allow_missing: bool = False) -> dict[str, Any]:
+           allow_missing: bool = False, adapter_config: Path | None = None) -> dict[str, Any]:
     """Write the checkpoint's weights as a Hugging Face model under `output_dir`; returns the
     provenance record written to ``yeto_export.json``."""
     try:
@@ -139,11 +177,10 @@ def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "floa
     except CheckpointError as exc:
         raise ExportError(str(exc)) from exc
     names = [s.name for s in state.specs]
-    if lora := [n for n in names if "lora_" in n]:
-        raise ExportError(
-            f"checkpoint {checkpoint} holds LoRA adapter weights ({_listed(lora)}); "
-            "LoRA export (--tuning lora) is not supported yet"
-        )
+    lora = [n for n in names if "lora_" in n]
+    if lora and adapter_config is None:
+        raise ExportError(f"checkpoint {checkpoint} holds LoRA adapter weights ({_listed(lora)}): pass "
+                          "--adapter-config (the adapter_config.json of the run's PEFT model, or its directory)")
     if not state.finalized:
         log(f"warning: checkpoint {checkpoint.name} is not finalized (the run had not ended); "
             f"exporting the global model as of round {state.next_round}")
@@ -151,11 +188,22 @@ def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "floa
         f"versions {state.versions}, next round {state.next_round}")
 
     tensors = checkpoint_tensors(state)
-    log(f"building the model from {model}")
-    net = load_skeleton(model)
-    left = copy_into(net, tensors, allow_missing=allow_missing)
-    if left:
-        log(f"kept the config's initial values for {len(left)} parameter(s) not in the checkpoint: {_listed(left)}")
+    adapter_dir: Path | None = None
+    if lora:
+        assert adapter_config is not None
+        net, left = lora_model(model, adapter_config, tensors)
+        adapter_dir = output_dir / "adapter"
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        log(f"writing the adapter to {adapter_dir}")
+        net.save_pretrained(adapter_dir, safe_serialization=True)
+        net = net.merge_and_unload()  # the adapters folded into the base weights
+    else:
+        log(f"building the model from {model}")
+        net = load_skeleton(model)
+        left = copy_into(net, tensors, allow_missing=allow_missing)
+        if left:
+            log(f"kept the config's initial values for {len(left)} parameter(s) not in the checkpoint: "
+                f"{_listed(left)}")
     if dtype != "float32":
         net = net.to(_DTYPES[dtype])
     net.config.dtype = _DTYPES[dtype]  # recorded in config.json, so from_pretrained keeps it
@@ -173,7 +221,8 @@ def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "floa
         "fingerprint": state.fingerprint.hex(),
         "backend": state.backend,
         "tensors": len(names),
-        "kept_initial": left,
+        "kept_initial": [] if lora else left,
+        "lora": {"tensors": len(lora), "adapter": "adapter"} if adapter_dir is not None else None,
         "yeto": _version("yeto"),
         "transformers": _version("transformers"),
         "torch": torch.__version__,
@@ -195,9 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-missing", action="store_true",
                    help="keep the config's initial values for model parameters the checkpoint lacks "
                         "(frozen parameters that were never synced)")
+    p.add_argument("--adapter-config", type=Path, default=None,
+                   help="for a LoRA run: the PEFT adapter_config.json (or its directory); --model is then the "
+                        "base model with its weights")
     args = p.parse_args(argv)
     try:
-        export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype, allow_missing=args.allow_missing)
+        export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype, allow_missing=args.allow_missing,
+               adapter_config=args.adapter_config)
     except ExportError as exc:
         log(f"error: {exc}")
         return 2

@@ -20,6 +20,7 @@ from conftest import (
     base_env,
     checkpoint_params,
     eval_loss,
+    model_dir,
     start_learner,
     start_syncer,
     syncer_exit_code,
@@ -155,3 +156,59 @@ def test_export_refuses_bad_inputs(tmp_path: Path) -> None:
                       tmp_path / "out")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_lora_run_syncs_only_adapters_and_exports_merged_model_and_adapter(procs: Procs, key_file: Path,
+                                                                             tmp_path: Path) -> None:
+    """Two HF learners train LoRA adapters (rank 4 on q_proj/v_proj) of the same base model: only
+    adapter tensors cross the wire, and `yeto-export` turns the syncer checkpoint plus the base
+    model into a merged model whose held-out loss is the learners' final one, and the adapter."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=FRAGMENTS, total_rounds=ROUNDS)
+    lora = (*TINY_MODEL, "--lora-r", "4")
+    learners = [start_learner(procs, syncer, key_file, i, max_steps=3000, model_args=lora) for i in range(2)]
+    assert wait_all(learners, timeout=180) == [0, 0], procs.tails()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    finals = [eval_loss(lp, "final") for lp in learners]
+    assert all(f["final_cut"] for f in finals), procs.tails()
+    assert syncer.checkpoint is not None
+    ckpt = checkpoint_params(syncer.checkpoint)
+    assert ckpt and all("lora_" in name for name in ckpt), sorted(ckpt)[:5]  # nothing but adapters was synced
+
+    example = load_example()
+    base_dir = tmp_path / "base"
+    example.build_model(tiny_args()).save_pretrained(base_dir)  # the base the learners started from (seed 0)
+    base = example.build_model(tiny_args())
+    full_numel = sum(p.numel() for p in base.parameters())
+    lora_numel = sum(t.numel() for t in ckpt.values())
+    assert lora_numel * 20 < full_numel, (lora_numel, full_numel)
+    pushed = [f["bytes_pushed"] for f in finals]
+    assert all(b > 0 for b in pushed), pushed
+
+    out = tmp_path / "exported-lora"
+    adapter_src = model_dir(learners[0])  # the learner's PEFT save_pretrained: adapter_config.json
+    done = run_export("--checkpoint", syncer.checkpoint, "--model", base_dir, "--adapter-config", adapter_src,
+                      "--output-dir", out)
+    assert done.returncode == 0, done.stderr
+    merged = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    loss = held_out_loss(merged, example)
+    for f in finals:
+        assert abs(loss - f["loss"]) <= 1e-3, (loss, f)
+
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True),
+                                        out / "adapter")
+    got = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
+    assert sorted(got) == sorted(ckpt)
+    for name, p in got.items():
+        assert torch.equal(p.detach(), ckpt[name]), name
+    info = json.loads((out / "yeto_export.json").read_text())
+    assert info["lora"]["tensors"] == len(ckpt)
+
+    # without the adapter config the export says what it needs
+    done = run_export("--checkpoint", syncer.checkpoint, "--model", base_dir, "--output-dir", tmp_path / "x")
+    assert done.returncode == 2 and "--adapter-config" in done.stderr, done.stderr
