@@ -463,8 +463,11 @@ class Island:
             self._started = False
             self.session.close()
 
+    def batch(self) -> torch.Tensor:
+        return torch.randn(16, 8)
+
     def train_step(self) -> bool:
-        x = torch.randn(16, 8)
+        x = self.batch()
         loss = torch.nn.functional.mse_loss(self.model(x), x @ self.target)
         self.opt.zero_grad()
         loss.backward()
