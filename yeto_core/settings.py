@@ -75,6 +75,9 @@ class LearnerSettings(BaseSettings):
     wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this download rate")
     wan_probe_mib: int = Field(default=16, ge=1, le=1024, description="MiB moved each way by the bandwidth probe")
     fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
+    tuning: Literal["auto", "lora", "full"] = Field(
+        default="auto", description="lora: sync only LoRA adapter tensors; full: every trainable tensor; "
+                                    "auto: lora when the model carries adapters")
 
     @field_validator("syncer")
     @classmethod

@@ -34,6 +34,24 @@ def embedding_names(model: torch.nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
+def synced_parameters(model: torch.nn.Module, tuning: str) -> list[tuple[str, torch.Tensor]]:
+    """The tensors an island syncs. Frozen tensors and buffers never cross the wire; with LoRA
+    (`tuning="lora"`, or `"auto"` on a model with adapters) only the adapter tensors do, and other
+    trainable tensors (e.g. PEFT's `modules_to_save`) stay local to each island."""
+    trainable: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adapters = [(name, p) for name, p in trainable if "lora_" in name]
+    if tuning == "lora" and not adapters:
+        raise ValueError("YETO_DILOCO_TUNING=lora, but the model has no trainable LoRA adapter tensors "
+                         "(names with 'lora_'); use tuning='full' or wrap the model with PEFT first")
+    if tuning == "lora" or (tuning == "auto" and adapters):
+        local = [name for name, _ in trainable if "lora_" not in name]
+        if local:
+            log.warning("LoRA tuning: %d trainable tensor(s) that are not adapters stay local to this island "
+                        "(e.g. %s); use tuning='full' to sync them too", len(local), local[0])
+        return adapters
+    return trainable
+
+
 class YetoDiLoCo(TrainerCallback):
     """Keyword arguments are `LearnerSettings` fields; they win over `YETO_DILOCO_*`."""
 
@@ -52,7 +70,7 @@ class YetoDiLoCo(TrainerCallback):
         if args.include_num_input_tokens_seen != "non_padding":
             # The syncer weights islands by trained tokens; padding is not training.
             args.include_num_input_tokens_seen = "non_padding"
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        named = synced_parameters(model, self.settings.tuning)
         self.session = LearnerSession(self.settings, named, embedding_names=embedding_names(model))
         self.session.start()
         self._tokens_seen = int(state.num_input_tokens_seen)
