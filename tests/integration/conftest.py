@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from mlp import small_mlp
 from safetensors.torch import load_file
 
 from yeto_core.codecs import F32
@@ -440,11 +441,7 @@ class Island:
     steps), for tests that need an honest learner without importing HF."""
 
     def __init__(self, syncer: Syncer, key_file: Path, learner_id: int = 0, **settings: Any) -> None:
-        torch.manual_seed(learner_id)
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                                         torch.nn.Tanh(), torch.nn.Linear(16, 4))
-        self.target = torch.randn(8, 4)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.model, self.target, self.opt = small_mlp(learner_id)
         given: dict[str, Any] = {"sync_interval": 8, "init_timeout_s": 30, "final_timeout_s": 30,
                                  "reconnect_max_s": 1, "connect_timeout_s": 10, **settings}
         config = load_settings(LearnerSettings, syncer=syncer.address, key_file=key_file, learner_id=learner_id,

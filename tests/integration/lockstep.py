@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Island, Syncer
+from mlp import small_mlp
 
 from yeto_core.client import PushJob
 from yeto_core.learner import LearnerSession
@@ -42,10 +43,7 @@ class SeededIsland(Island):
         super().__init__(syncer, key_file, learner_id, **settings)
         self.in_features = in_features
         if model is not None:  # rebuild with another model, seeded the same way
-            torch.manual_seed(learner_id)
-            self.model = model()
-            self.target = torch.randn(in_features, 4)
-            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            self.model, self.target, self.opt = small_mlp(learner_id, model, in_features)
             self.session = LearnerSession(self.session.settings, list(self.model.named_parameters()))
         self.batches = torch.Generator().manual_seed(1000 + learner_id)
 

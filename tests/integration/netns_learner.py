@@ -12,6 +12,7 @@ import sys
 import time
 
 import torch
+from mlp import small_mlp
 from safetensors.torch import save_file
 
 from yeto_core.learner import LearnerSession
@@ -29,12 +30,8 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, default=100_000)
     args = ap.parse_args()
 
-    torch.manual_seed(args.learner_id)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                                torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    target = torch.randn(8, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, target, opt = small_mlp(args.learner_id)
     config = load_settings(LearnerSettings, syncer=args.syncer, key_file=args.key_file, learner_id=args.learner_id,
                            data_streams=args.data_streams, sync_interval=8, init_timeout_s=60, final_timeout_s=60,
                            reconnect_max_s=1, connect_timeout_s=10)
