@@ -126,8 +126,9 @@ class Coordinator(PushIntake):
         self._stop_requested = False
         self.phase = Phase.WAIT_INIT
         self.next_launch = state.next_round if state is not None else 0
-        # Learners a finalizing syncer waits for even while none of them is connected: after a
-        # resume from a final checkpoint, everyone who trained (the ledger), until the deadline.
+        # Learners a finalizing syncer waits for even while they are not connected, until the
+        # deadline: those that trained and lost their link without saying goodbye before the
+        # final cut went out, and after a resume from a final checkpoint everyone who trained.
         self._final_expected: set[int] = set()
         self._final_acked: set[int] = set()
         if state is not None:
@@ -194,7 +195,12 @@ class Coordinator(PushIntake):
                 del self.links[event.learner_id]
                 self._retire(link.group)
                 if link.final_sent:
-                    link.acked = True
+                    link.acked = True  # whether it installed the cut is its own business now
+                elif not link.said_bye and self.state is not None and event.learner_id in tokens_by_learner(
+                        self.state.ledger):
+                    # It trained for this run and may come back (a crash, a stall, a cut link): a
+                    # finalizing syncer waits for it, until the deadline, so it still gets the cut.
+                    self._final_expected.add(event.learner_id)
                 log.info("learner %d left (%s)", event.learner_id, event.reason)
         elif isinstance(event, Decoded):
             self._on_decoded(event)
@@ -291,9 +297,12 @@ class Coordinator(PushIntake):
                 log.info("learner %d finished training at its step %d", link.learner_id, msg.step)
                 self.tape.append({"event": "done", "learner": link.learner_id, "step": msg.step})
         elif isinstance(msg, Bye):
+            link.said_bye = True
             link.acked = link.final_sent
             if link.acked:
                 self._final_acked.add(link.learner_id)
+            elif self.state is None or not self.state.finalized:
+                self._final_expected.discard(link.learner_id)  # it stopped on purpose before the end
             log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
         elif isinstance(msg, Error):
             log.warning("learner %d reports %s: %s", link.learner_id, msg.code.name, msg.reason)

@@ -42,6 +42,7 @@ class Link:
     finished: bool = False
     final_sent: bool = False
     acked: bool = False
+    said_bye: bool = False  # left on purpose: a finalizing syncer does not wait for it to return
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,8 @@ class SyncerClient:
                 group.send(Bye(reason))
             group.close(reason)
         for t in self._threads:
-            t.join(timeout=5.0)
+            if t.ident is not None:  # a client closed before `start` has no threads running
+                t.join(timeout=5.0)
         if group is not None:
             group.join(timeout=5.0)
 

@@ -1,7 +1,8 @@
 """The framework-free DiLoCo learner (SPEC §2.2–2.4, §2.8–2.9).
 
-A trainer plugin hands `LearnerSession` its live trainable tensors and calls `step(tokens)` once
-per optimizer step. The session never blocks a step on the network:
+A trainer plugin hands `LearnerSession` its live trainable tensors (or a `TensorStore` that reads
+and writes them where they live, e.g. across a Megatron island's ranks) and calls `step(tokens)`
+once per optimizer step. The session never blocks a step on the network:
 
 * **Anchors.** For every fragment the session keeps the f32 global value it last installed
   (the anchor) and that value's version. A push carries d = θ − anchor, never θ itself, plus
@@ -35,9 +36,10 @@ import torch
 
 from yeto_core.client import Connected, Lost, PushJob, Received, SyncerClient
 from yeto_core.codecs import codec_by_name
-from yeto_core.layout import Layout, TensorSpec, build_layout, specs_from_named_tensors
+from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult, measure_link
 from yeto_core.settings import LearnerSettings
+from yeto_core.store import LocalStore, TensorStore, check_fragment_values
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import Bcast, Bye, Final, Pull
 
@@ -69,13 +71,18 @@ class LearnerSession:
     def __init__(
         self,
         settings: LearnerSettings,
-        named_params: Sequence[tuple[str, torch.Tensor]],
+        named_params: Sequence[tuple[str, torch.Tensor]] | None = None,
         *,
         embedding_names: Collection[str] = (),
+        store: TensorStore | None = None,
     ) -> None:
+        """Give either the live trainable tensors (`named_params`, one process holds them all)
+        or a `store` that reads and writes them wherever they live."""
+        if (named_params is None) == (store is None):
+            raise ValueError("LearnerSession needs exactly one of named_params or store")
         self.settings = settings
-        self.params: dict[str, torch.Tensor] = dict(named_params)
-        self.specs: list[TensorSpec] = specs_from_named_tensors(named_params, embedding_names)
+        self.store: TensorStore = store if store is not None else LocalStore(named_params or (), embedding_names)
+        self.specs: list[TensorSpec] = list(self.store.specs)
         self.codec = codec_by_name(settings.wire_dtype, block=settings.push_block)
         self.layout: Layout | None = None
         self.fragments: list[FragmentState] = []
@@ -169,6 +176,7 @@ class LearnerSession:
                 return
             if self.client.refused is not None:
                 return
+            self.store.tick()
             self._drain(timeout=min(left, 0.5))
             self._install_bcasts()
         self._init_cache = None
@@ -231,6 +239,7 @@ class LearnerSession:
         while time.monotonic() < deadline:
             if self.client.refused is not None:
                 return False
+            self.store.tick()
             needs_done = self._generation is not None and self._done_sent_generation != self._generation
             if needs_done and self.client.send_done(self.stats.steps):
                 self._done_sent_generation = self._generation
@@ -308,16 +317,7 @@ class LearnerSession:
 
     def _install(self, index: int, values: torch.Tensor, *, alpha: float) -> None:
         assert self.layout is not None
-        with torch.no_grad():
-            for slot in self.layout.fragments[index].slots:
-                param = self.params[slot.name]
-                glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                if alpha == 0.0:
-                    param.copy_(glob)
-                elif param.dtype == torch.float32:
-                    param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
-                else:  # blend in f32, then round once into the lower-precision parameter
-                    param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
+        self.store.install(self.layout.fragments[index], values, alpha)
         state = self.fragments[index]
         state.anchor = values
         state.tokens_mark = self.stats.tokens
@@ -327,6 +327,9 @@ class LearnerSession:
         return bool(self.fragments) and len(self._finals) == len(self.fragments)
 
     def _install_final(self) -> None:
+        assert self.layout is not None
+        for index, (_, values) in self._finals.items():  # all or nothing: check every cut first
+            check_fragment_values(self.layout.fragments[index], values)
         for index, (msg, values) in sorted(self._finals.items()):
             self._install(index, values, alpha=0.0)
             self.fragments[index].version = msg.version
@@ -338,9 +341,7 @@ class LearnerSession:
     # -- pushing -----------------------------------------------------------------------------
     def _gather(self, index: int) -> torch.Tensor:
         assert self.layout is not None
-        slots = self.layout.fragments[index].slots
-        with torch.no_grad():
-            return torch.cat([self.params[s.name].detach().reshape(-1).float() for s in slots])
+        return self.store.gather(self.layout.fragments[index])
 
     def _push_in_flight(self) -> bool:
         """Whether the last push is still streaming; if it ended, account for it."""

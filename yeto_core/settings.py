@@ -7,6 +7,8 @@ fails at start-up with one message that names the variable and what it accepts.
 
 from __future__ import annotations
 
+import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -78,10 +80,18 @@ class LearnerSettings(BaseSettings):
     tuning: Literal["auto", "lora", "full"] = Field(
         default="auto", description="lora: sync only LoRA adapter tensors; full: every trainable tensor; "
                                     "auto: lora when the model carries adapters")
+    gather_chunk_mib: int = Field(default=64, ge=1, le=1 << 16,
+                                  description="multi-rank islands: MiB of a fragment moved between ranks at a time")
+    collective_timeout_s: float = Field(default=300.0, gt=0,
+                                        description="multi-rank islands: deadline of one wait on the other ranks")
+    auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
 
     @field_validator("syncer")
     @classmethod
     def _address(cls, v: str) -> str:
+        if "," in v:
+            raise ValueError("a sharded syncer (several comma-separated addresses) is not supported; "
+                             "give the one HOST:PORT of the syncer")
         parse_address(v)
         return v
 
@@ -157,6 +167,22 @@ class SyncerSettings(BaseSettings):
 S = TypeVar("S", bound=BaseSettings)
 
 
+def unknown_variables(cls: type[BaseSettings]) -> list[str]:
+    """A line for each environment variable under the settings' prefix that names no setting:
+    a typo must not silently leave a setting at its default."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    if not prefix:
+        return []
+    known = [f"{prefix}{name.upper()}" for name in cls.model_fields]
+    lines = []
+    for var in sorted(os.environ):
+        if var.upper().startswith(prefix) and var.upper() not in known:
+            close = difflib.get_close_matches(var.upper(), known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(known)}"
+            lines.append(f"{var} is not a yeto setting{hint}")
+    return lines
+
+
 def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:
     """Build settings (explicit values win over the environment); one clear error on bad input.
 
@@ -165,6 +191,9 @@ def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:
     """
     prefix = str(cls.model_config.get("env_prefix", ""))
     given = {k: v for k, v in explicit.items() if v is not None}
+    unknown = unknown_variables(cls)
+    if unknown:
+        raise SettingsError("; ".join(unknown))
     try:
         return cls(**given)
     except ValidationError as exc:

@@ -83,3 +83,21 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
 def test_parse_address_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address(text)
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_resembles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
+    monkeypatch.setenv("YETO_DILOCO_SYNC_INTERVL", "3")
+    with pytest.raises(SettingsError, match="YETO_DILOCO_SYNC_INTERVL is not a yeto setting; did you mean "
+                                            "YETO_DILOCO_SYNC_INTERVAL"):
+        load_settings(LearnerSettings)
+    monkeypatch.delenv("YETO_DILOCO_SYNC_INTERVL")
+    monkeypatch.setenv("YETO_SYNCER_QUORAM", "2")
+    with pytest.raises(SettingsError, match="YETO_SYNCER_QUORAM is not a yeto setting; did you mean YETO_SYNCER_QUO"):
+        load_settings(SyncerSettings)
+
+
+def test_a_sharded_syncer_address_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SettingsError, match=r"YETO_DILOCO_SYNCER=.*sharded syncer .* is not supported"):
+        monkeypatch.setenv("YETO_DILOCO_SYNCER", "10.0.0.1:7000,10.0.0.2:7000")
+        load_settings(LearnerSettings, key="k" * 32)

@@ -1,0 +1,74 @@
+"""Where a learner's synced tensors live: the seam between `LearnerSession` and a trainer.
+
+The session decides *when* to read a fragment (to push θ − anchor) and *when* to write one (a
+BCAST or the final cut); a `TensorStore` decides *how*. `LocalStore` covers a single process that
+holds every tensor (an HF island). A sharded trainer (Megatron TP/PP/DP/EP) supplies its own store
+whose reads and writes are collectives over the island's ranks; the session runs unchanged on the
+island's rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+import torch
+
+from yeto_core.layout import Fragment, TensorSpec, specs_from_named_tensors
+
+__all__ = ["LocalStore", "TensorStore", "check_fragment_values"]
+
+
+class TensorStore(Protocol):
+    """The synced tensors of one island, in canonical order (`specs`)."""
+
+    specs: list[TensorSpec]
+
+    def gather(self, fragment: Fragment) -> torch.Tensor:
+        """The fragment's current values as one new flat f32 tensor of `fragment.numel`."""
+        ...
+
+    def install(self, fragment: Fragment, values: torch.Tensor, alpha: float) -> None:
+        """θ ← α·θ + (1−α)·values for every tensor of the fragment (α = 0: an exact copy).
+        Optimizer state is left alone."""
+        ...
+
+    def tick(self) -> None:
+        """Called while the session waits (start, finish): a store whose other ranks wait on it
+        can tell them it is still alive."""
+        ...
+
+
+def check_fragment_values(fragment: Fragment, values: torch.Tensor) -> None:
+    """Refuse values that cannot be a fragment's, before anything is written."""
+    if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != fragment.numel:
+        raise ValueError(f"fragment {fragment.index}: got {values.dtype} values of shape {tuple(values.shape)}, "
+                         f"expected {fragment.numel} float32 values")
+
+
+class LocalStore:
+    """Every synced tensor lives in this process: reads concatenate, writes copy in place."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], embedding_names: Collection[str] = ()):
+        self.params: dict[str, torch.Tensor] = dict(named_params)
+        self.specs: list[TensorSpec] = specs_from_named_tensors(named_params, embedding_names)
+
+    def gather(self, fragment: Fragment) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([self.params[s.name].detach().reshape(-1).float() for s in fragment.slots])
+
+    def install(self, fragment: Fragment, values: torch.Tensor, alpha: float) -> None:
+        check_fragment_values(fragment, values)
+        with torch.no_grad():
+            for slot in fragment.slots:
+                param = self.params[slot.name]
+                glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if alpha == 0.0:
+                    param.copy_(glob)
+                elif param.dtype == torch.float32:
+                    param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
+                else:  # blend in f32, then round once into the lower-precision parameter
+                    param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
+
+    def tick(self) -> None:
+        pass

@@ -1,0 +1,143 @@
+"""`MegatronDiLoCoSync`: one Megatron island (TP/PP/DP/EP ranks) as one DiLoCo learner.
+
+    sync = MegatronDiLoCoSync(wrapped_models, optimizer)   # every rank, settings from YETO_DILOCO_*
+    sync.start()                                            # every rank: joins, installs the initial cut
+    for step in ...:
+        train_step()
+        if sync.step(tokens):                               # every rank, once per optimizer step
+            break                                           # the final cut is installed: stop here
+    sync.finish(); sync.close()
+
+Framework-free apart from megatron-core: a trainer plugin (ms-swift's callback, a Megatron
+training loop) calls these four methods on every rank at the same points. Rank 0 of the island
+runs the ordinary learner session against the syncer; the fragments it reads and writes are
+gathered from and scattered to every rank's fp32 masters by `IslandStore` over a gloo group, on
+host buffers. The synced set is every trainable parameter, named globally (`names.py`), so
+islands with different parallel layouts share one model description.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from yeto_core.layout import build_layout
+from yeto_core.learner import LearnerSession
+from yeto_core.settings import LearnerSettings, load_settings
+from yeto_plugins.swift_megatron.island import IslandStore
+from yeto_plugins.swift_megatron.names import EMBEDDING
+
+log = logging.getLogger("yeto.megatron")
+
+
+@dataclass
+class IslandStats:
+    """Rank 0's learner counters, as every rank knows them after each call."""
+
+    steps: int = 0
+    pushes: int = 0
+    installs: int = 0
+    final_installed: bool = False
+
+
+class MegatronDiLoCoSync:
+    """Keyword arguments are `LearnerSettings` fields; they win over `YETO_DILOCO_*`."""
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any,
+                 settings: LearnerSettings | None = None, **overrides: Any) -> None:
+        self.settings = settings if settings is not None else load_settings(LearnerSettings, **overrides)
+        chunks = list(model) if isinstance(model, Sequence) else [model]
+        self.store = IslandStore(chunks, optimizer, chunk_mib=self.settings.gather_chunk_mib,
+                                 timeout_s=self.settings.collective_timeout_s,
+                                 heartbeat_s=min(5.0, self.settings.collective_timeout_s / 4))
+        self.rank = self.store.rank
+        self.session: LearnerSession | None = None
+        if self.rank == 0:
+            self.session = LearnerSession(self.settings, store=self.store, embedding_names={EMBEDDING})
+        self.stats = IslandStats()
+        self._closed = False
+
+    @property
+    def names(self) -> list[str]:
+        """The synced tensors' global names, in canonical order (the same on every rank)."""
+        return [s.name for s in self.store.specs]
+
+    # -- the collective calls ----------------------------------------------------------------
+    def start(self) -> None:
+        """Connect (rank 0) and install the initial cut on every rank."""
+        def start() -> bool:
+            session = self._session()
+            session.start()
+            refused = session.client.refused
+            if refused is not None:
+                raise RuntimeError(f"the syncer at {self.settings.syncer} refused this island: {refused}")
+            return False
+
+        self._run(start)
+
+    def step(self, tokens: int) -> bool:
+        """Account one optimizer step of `tokens` (the island's tokens, rank 0's value counts);
+        True on every rank when the final cut was installed: stop training at this step."""
+        self.stats.steps += 1
+        return self._run(lambda: self._session().step(tokens))
+
+    def finish(self) -> bool:
+        """Training ended here first: wait (deadline `final_timeout_s`) for the final cut."""
+        return self._run(lambda: self._session().finish())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.session is not None:
+            self.session.close()
+        self.store.close()
+
+    # -- whole-model access (checks, exports) --------------------------------------------------
+    def read_all(self) -> dict[str, torch.Tensor] | None:
+        """Every synced tensor's fp32 master, whole and globally named, on rank 0 (None elsewhere)."""
+        box: dict[str, torch.Tensor] = {}
+
+        def read() -> bool:
+            fragment = build_layout(self.store.specs, 1).fragments[0]
+            values = self.store.gather(fragment)
+            for slot in fragment.slots:
+                box[slot.name] = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            return False
+
+        self._run(read)
+        return box if self.rank == 0 else None
+
+    def write_all(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Install whole, globally named fp32 values (given on rank 0) into every rank's masters
+        and parameters; optimizer moments are kept."""
+        def write() -> bool:
+            assert tensors is not None
+            fragment = build_layout(self.store.specs, 1).fragments[0]
+            missing = [s.name for s in fragment.slots if s.name not in tensors]
+            if missing:
+                raise ValueError(f"write_all: no value for {missing[0]} (and {len(missing) - 1} more)")
+            values = torch.cat([tensors[s.name].detach().reshape(-1).float().cpu() for s in fragment.slots])
+            self.store.install(fragment, values, 0.0)
+            return False
+
+        self._run(write)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _session(self) -> LearnerSession:
+        assert self.session is not None, "only rank 0 runs the learner session"
+        return self.session
+
+    def _run(self, fn: Any) -> bool:
+        def encode(result: bool) -> tuple[int, int, int]:
+            s = self._session().stats
+            return int(bool(result)) | (int(s.final_installed) << 1), s.pushes, s.installs
+
+        flags, pushes, installs = self.store.run(fn if self.rank == 0 else None, encode)
+        self.stats.pushes, self.stats.installs = pushes, installs
+        self.stats.final_installed = bool(flags & 2)
+        return bool(flags & 1)
