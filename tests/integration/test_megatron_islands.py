@@ -76,6 +76,19 @@ def test_a_rank0_error_is_raised_on_every_rank() -> None:
     assert all(r["still_reads"] for r in ranks)
 
 
+@pytest.mark.timeout(120)
+def test_a_refusal_by_the_syncer_is_raised_on_every_rank(procs: Procs, key_file: Path, tmp_path: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=3, total_rounds=6)
+    wrong = tmp_path / "wrong.key"
+    wrong.write_text("a key that is not the syncer's, long enough")
+    env = {**island_env(syncer.address, wrong, 0), "YETO_DILOCO_INIT_TIMEOUT_S": "20"}
+    ranks = results(run_ranks(WORKER, 4, args=["train", json.dumps(TP2_DP2), "5"], env=env, timeout_s=100))
+    assert "refused this island" in ranks[0]["error"] and "HMAC check failed" in ranks[0]["error"], ranks[0]["error"]
+    for r in ranks[1:]:
+        assert r["error"].startswith("IslandError: rank 0 of the island failed: RuntimeError: "), r["error"]
+        assert "refused this island" in r["error"]
+
+
 # -- two islands and the real syncer ---------------------------------------------------------------
 SYNC_ENV = {"YETO_DILOCO_SYNC_INTERVAL": "4", "YETO_DILOCO_RECONNECT_MAX_S": "1", "YETO_DILOCO_INIT_TIMEOUT_S": "90",
             "YETO_DILOCO_FINAL_TIMEOUT_S": "120", "YETO_DILOCO_MERGE_ALPHA": "0.5"}

@@ -88,6 +88,7 @@ def mode_exact(text: str) -> None:
     for _ in range(2):  # masters now hold more than their bf16 parameters say
         island.train_step()
     sync = MegatronDiLoCoSync(island.model_chunks, island.optimizer, **OFFLINE)
+    sync.store.chunk_elems = 8192  # many batches per transfer (the 1 MiB minimum would be one)
     before = moments(island.optimizer)
     read = share(sync.read_all())  # rank 0 gathered them; every rank checks its own part
     problems = check_rank(sync, read, "read")
@@ -127,7 +128,12 @@ def mode_error(text: str) -> None:
 def mode_train(text: str, steps: int) -> None:
     island = init_island(spec_of(text))
     sync = MegatronDiLoCoSync(island.model_chunks, island.optimizer)  # settings from YETO_DILOCO_*
-    sync.start()
+    try:
+        sync.start()
+    except Exception as exc:  # e.g. refused by the syncer: every rank must get here
+        report({"error": f"{type(exc).__name__}: {exc}", **rank_info()})
+        teardown()
+        return
     stopped_at, losses = None, []
     for step in range(1, steps + 1):
         loss = island.train_step()
