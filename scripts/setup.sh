@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.yeto-setup
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
