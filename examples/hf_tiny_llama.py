@@ -16,6 +16,7 @@ Progress goes to stdout as JSON lines (`{"event": "train", ...}`), so a driver c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         def on_log(self, a, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
             if logs and "loss" in logs:
                 emit("train", learner=learner_id, step=state.global_step, loss=round(float(logs["loss"]), 4),
-                     pushes=logs.get("yeto_pushes"), installs=logs.get("yeto_installs"))
+                     pushes=logs.get("yeto_pushes"), installs=logs.get("yeto_installs"),
+                     consensus_js=logs.get("yeto_consensus_js"), fragment_l2=logs.get("yeto_fragment_l2_mean"))
 
     callbacks: list[TrainerCallback] = [JsonProgress()]
     yeto = None
@@ -137,8 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     final_installed = bool(yeto and yeto.final_installed)
     emit("eval", learner=learner_id, phase="final", loss=round(final, 4), final_cut=final_installed,
          steps=result.global_step, bytes_pushed=yeto.session.client.bytes_pushed if yeto and yeto.session else 0)
-    model.save_pretrained(args.output_dir)
-    emit("saved", learner=learner_id, dir=str(args.output_dir), final_cut=final_installed)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: what every rank holds, to compare
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(name.encode() + tensor.detach().float().contiguous().numpy().tobytes())
+        emit("weights", learner=learner_id, rank=int(os.environ["RANK"]), sha256=digest.hexdigest(),
+             final_cut=final_installed, steps=result.global_step)
+    if trainer.is_world_process_zero():
+        model.save_pretrained(args.output_dir)
+        emit("saved", learner=learner_id, dir=str(args.output_dir), final_cut=final_installed)
     return 0
 
 

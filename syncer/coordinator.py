@@ -22,6 +22,7 @@ import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, ledger_key, tokens_by_learner
 from syncer.commit import merge_round
+from syncer.consensus import ConsensusBoard
 from syncer.correction import HelocoConfig
 from syncer.intake import PushIntake
 from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id, scheduler_config
@@ -51,6 +52,7 @@ from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import (
     BCAST_FULL,
     HELLO_BCAST_DELTA,
+    HELLO_CONSENSUS,
     Bcast,
     Bye,
     Done,
@@ -58,6 +60,7 @@ from yeto_core.wire.messages import (
     Final,
     Init,
     Message,
+    ProbeReport,
     Pull,
     Push,
 )
@@ -100,6 +103,7 @@ class Coordinator(PushIntake):
         self.state = state
         self.layout: Layout | None = None
         self.segments: list[list[Segment]] = []
+        self.consensus: ConsensusBoard | None = None  # the learners' probe summaries (SPEC §2.7)
         self.sched = scheduler_config(settings)
         self.writer = (CheckpointWriter(settings.checkpoint, background=settings.background_checkpoint,
                                         progress=self._show_progress) if settings.checkpoint else None)
@@ -194,6 +198,8 @@ class Coordinator(PushIntake):
             if link is not None and link.generation == event.generation:
                 del self.links[event.learner_id]
                 self._retire(link.group)
+                if self.consensus is not None:
+                    self.consensus.forget(event.learner_id)
                 if link.final_sent:
                     link.acked = True  # whether it installed the cut is its own business now
                 elif not link.said_bye and self.state is not None and event.learner_id in tokens_by_learner(
@@ -218,7 +224,7 @@ class Coordinator(PushIntake):
             self._retire(old.group)
         link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint,
                     codec=codec_by_id(ev.wire_dtype, block=ev.push_block or DEFAULT_BLOCK),
-                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA))
+                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS))
         if ev.manifest is not None and self.layout is None:
             layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
             self._pin(layout)
@@ -233,6 +239,8 @@ class Coordinator(PushIntake):
         if self.phase is Phase.RUNNING:
             link.group.set_user_timeout(self.settings.wan_stall_timeout)
             self._send_full_state(link)
+            if link.consensus and self.consensus is not None and self.state is not None:
+                link.group.send(self.consensus.message(self.state.next_round))  # it may report probes now
         elif self.phase is Phase.FINALIZING:
             self._send_final(link)
 
@@ -262,6 +270,7 @@ class Coordinator(PushIntake):
 
     def _adopt_layout(self, layout: Layout) -> None:
         self.layout = layout
+        self.consensus = ConsensusBoard(layout.num_fragments)
         self.downlink = DownlinkEncoder(layout.num_fragments, self.settings.bcast_delta_full_every)
         self.outer_state = [{} for _ in layout.fragments]
         state = self.state
@@ -304,10 +313,21 @@ class Coordinator(PushIntake):
             elif self.state is None or not self.state.finalized:
                 self._final_expected.discard(link.learner_id)  # it stopped on purpose before the end
             log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
+        elif isinstance(msg, ProbeReport):
+            self._on_probe_report(link, msg)
         elif isinstance(msg, Error):
             log.warning("learner %d reports %s: %s", link.learner_id, msg.code.name, msg.reason)
         else:
             self._refuse(link, ErrorCode.PROTOCOL, f"unexpected {msg.TYPE.name} from a learner")
+
+    def _on_probe_report(self, link: Link, msg: ProbeReport) -> None:
+        """A learner's probe summary (SPEC §2.7); a bad one is refused and the link stays open."""
+        if self.consensus is None:
+            return  # no model pinned yet: nothing to compare it with
+        problem = self.consensus.observe(link.learner_id, msg)
+        if problem is not None:
+            log.warning("learner %d: %s", link.learner_id, problem)
+            link.group.send(Error(ErrorCode.REFUSED, problem))
 
     def _on_init(self, link: Link, msg: Init, payload: memoryview | None) -> None:
         if self.phase is not Phase.WAIT_INIT or self.layout is None or self.state is None:
@@ -477,6 +497,8 @@ class Coordinator(PushIntake):
             "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
             "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
         }
+        if self.consensus is not None:  # SPEC §2.7: the learners' JS distance, each fragment's L2 drift
+            record.update(self.consensus.on_commit(f, out.delta_norms))
         total = self.settings.total_rounds
         last = bool(total) and self.state.next_round >= total  # finalization writes that cut, once
         if self.state.next_round % self.settings.checkpoint_every == 0 and not last:
@@ -485,12 +507,14 @@ class Coordinator(PushIntake):
                 record["checkpoint_ms"] = round(ckpt_ms, 1)
         self.tape.append(record)
         self._broadcast(attempt.round, f)
+        self._send_consensus(attempt.round)
         took = time.perf_counter() - t0
         self.sync_s = took if self.sync_s == 0.0 else (1 - EMA) * self.sync_s + EMA * took  # ξ_sync
         log.info("round %d committed: fragment %d -> v%d, learners %s%s, weights %s, |outer grad| %.4g, "
-                 "merge %.1f ms (%s)", attempt.round, f, self.state.versions[f], record["learners"],
+                 "merge %.1f ms (%s)%s", attempt.round, f, self.state.versions[f], record["learners"],
                  f" (carried {record['carried']})" if record["carried"] else "",
-                 [f"{w:.2f}" for w in weights], grad_norm, merge_ms, reason)
+                 [f"{w:.2f}" for w in weights], grad_norm, merge_ms, reason,
+                 self.consensus.log_suffix() if self.consensus is not None else "")
 
     # -- state out -----------------------------------------------------------------------------
     def _fragment_bytes(self, index: int) -> memoryview:
@@ -522,6 +546,15 @@ class Coordinator(PushIntake):
             if n == 0 and len(links) > 1 and armed("mid-bcast"):
                 ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
                 fault_point("mid-bcast")
+
+    def _send_consensus(self, round_id: int) -> None:
+        """The consensus figures after a commit, to every learner that takes them."""
+        if self.consensus is None:
+            return
+        msg = self.consensus.message(round_id)
+        for link in list(self.links.values()):
+            if link.consensus:
+                link.group.send(msg)
 
     def _send_full_state(self, link: Link) -> None:
         """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor)."""

@@ -39,6 +39,7 @@ class Link:
     fingerprint: bytes
     codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
     bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
+    consensus: bool = False  # takes CONSENSUS messages (HELLO_CONSENSUS)
     finished: bool = False
     final_sent: bool = False
     acked: bool = False

@@ -33,11 +33,13 @@ from yeto_core.wire.messages import (
     BCAST_DELTA,
     CHUNK_BYTES,
     HELLO_BCAST_DELTA,
+    HELLO_CONSENSUS,
     HELLO_SENDS_MANIFEST,
     Attach,
     Bcast,
     Bye,
     Challenge,
+    Consensus,
     Done,
     Error,
     Final,
@@ -143,6 +145,9 @@ class SyncerClient:
         ]
         self._encode_buffers: dict[int, memoryview] = {}
         self.pushes_sent = 0
+        # The syncer of the current group sent CONSENSUS, so it speaks PROBE_REPORT too (an older
+        # syncer would close the group on a frame type it does not know).
+        self.syncer_consensus = False
         self.bytes_pushed = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -178,6 +183,10 @@ class SyncerClient:
             return False
         group.send(msg)
         return not group.closed
+
+    def send_probe(self, msg: Message) -> bool:
+        """A PROBE_REPORT, only to a syncer that showed it speaks the consensus messages."""
+        return self.syncer_consensus and self.send(msg)
 
     def send_done(self, step: int) -> bool:
         return self.send(Done(step))
@@ -231,6 +240,7 @@ class SyncerClient:
             # syncer without state can build the layout and bound every transfer before any bulk byte.
             sends_manifest = self._init_values is not None
             flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
+            flags |= HELLO_CONSENSUS
             block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
             hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
                           flags, client_nonce, push_block=block)
@@ -258,6 +268,7 @@ class SyncerClient:
                 s.close()
             raise
         max_payload = max(f.numel for f in layout.fragments) * 4 + MAX_DOWNLINK_MARGIN
+        self.syncer_consensus = False
         group = ConnectionGroup(
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
             on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self._heartbeat_s,
@@ -344,6 +355,8 @@ class SyncerClient:
             print(f"yeto learner {self.learner_id}: syncer reports {msg.code.name.lower()}: {msg.reason}",
                   file=sys.stderr)
             log.warning("learner %d: syncer reports %s: %s", self.learner_id, msg.code.name, msg.reason)
+        elif isinstance(msg, Consensus):
+            self.syncer_consensus = True
         elif not isinstance(msg, Pull | Bye):
             raise ProtocolError(f"unexpected {type(msg).__name__} from the syncer")
         self.inbox.put(Received(msg, values))

@@ -36,12 +36,13 @@ import torch
 
 from yeto_core.client import Connected, Lost, PushJob, Received, SyncerClient
 from yeto_core.codecs import codec_by_name
+from yeto_core.consensus_report import ConsensusReporter, Probe, metrics
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult, measure_link
 from yeto_core.settings import LearnerSettings
 from yeto_core.store import LocalStore, TensorStore, check_fragment_values
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
-from yeto_core.wire.messages import Bcast, Bye, Final, Pull
+from yeto_core.wire.messages import Bcast, Bye, Consensus, Final, Pull
 
 log = logging.getLogger("yeto.learner")
 
@@ -65,6 +66,8 @@ class LearnerStats:
     final_installed: bool = False
     connected_generations: list[int] = field(default_factory=list)
     probe: ProbeResult | None = None
+    consensus_js: float | None = None  # the syncer's latest JS distance between learners (SPEC §2.7)
+    fragment_l2: list[float | None] = field(default_factory=list)  # per fragment: mean |θ − anchor| merged
 
 
 class LearnerSession:
@@ -75,6 +78,7 @@ class LearnerSession:
         *,
         embedding_names: Collection[str] = (),
         store: TensorStore | None = None,
+        probe: Probe | None = None,
     ) -> None:
         """Give either the live trainable tensors (`named_params`, one process holds them all)
         or a `store` that reads and writes them wherever they live."""
@@ -102,6 +106,8 @@ class LearnerSession:
         self._generation: int | None = None
         self._last_step_at: float | None = None
         self._step_s: float | None = None
+        self.consensus = ConsensusReporter(probe, every=settings.consensus_every, top_k=settings.consensus_top_k,
+                                           learner_id=settings.learner_id)
         self.client = SyncerClient(
             address=settings.address,
             key=settings.read_key(),
@@ -225,6 +231,8 @@ class LearnerSession:
             self._install_final()
             return True
         self._install_bcasts()
+        self.consensus.after_installs(self.stats.installs, sum(f.version for f in self.fragments if f.version > 0),
+                                      self.stats.steps, self.client.send_probe)
         if self.stats.steps % self.boundary_every == 0:
             self._boundary()
         return False
@@ -295,6 +303,8 @@ class LearnerSession:
             self._finals[msg.fragment] = (msg, item.values)
         elif isinstance(msg, Bye):
             log.info("learner %d: syncer said goodbye (%s)", self.settings.learner_id, msg.reason)
+        elif isinstance(msg, Consensus):
+            self.stats.consensus_js, self.stats.fragment_l2 = metrics(msg)
 
     # -- installing --------------------------------------------------------------------------
     def _install_bcasts(self) -> None:

@@ -85,6 +85,11 @@ class LearnerSettings(BaseSettings):
     collective_timeout_s: float = Field(default=300.0, gt=0,
                                         description="multi-rank islands: deadline of one wait on the other ranks")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
+    consensus_every: int = Field(default=4, ge=0, description="evaluate the probe batch after every N installs of "
+                                 "merged fragments and report it to the syncer (0: no consensus signal)")
+    consensus_top_k: int = Field(default=64, ge=1, le=1024,
+                                 description="probabilities per probe token reported: the top k (the rest as one tail)")
+    consensus_tokens: int = Field(default=64, ge=1, le=512, description="tokens in the fixed probe batch")
 
     @field_validator("syncer")
     @classmethod

@@ -32,11 +32,13 @@ from yeto_core.wire.messages import (
     MAX_CONTROL_BODY,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    UNKNOWN,
     Attach,
     Bcast,
     BwProbe,
     Bye,
     Challenge,
+    Consensus,
     Done,
     Error,
     Final,
@@ -46,6 +48,7 @@ from yeto_core.wire.messages import (
     Manifest,
     Message,
     MsgType,
+    ProbeReport,
     Pull,
     Push,
     Welcome,
@@ -75,6 +78,8 @@ SEED_MESSAGES: tuple[Message, ...] = (
     Bye("finished"),
     Done(1000),
     BwProbe(1 << 20, 1 << 20, b"\x99" * 32),
+    ProbeReport(12, 4, b"\xaa" * 40),
+    Consensus(5, 2, 0.25, (0.1, UNKNOWN, 3.5)),
 )
 assert {m.TYPE for m in SEED_MESSAGES} == set(MESSAGE_TYPES)
 

@@ -24,11 +24,13 @@ from yeto_core.wire.messages import (
     MAX_PROBE_BYTES,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    UNKNOWN,
     Attach,
     Bcast,
     BwProbe,
     Bye,
     Challenge,
+    Consensus,
     Done,
     Error,
     Final,
@@ -38,6 +40,7 @@ from yeto_core.wire.messages import (
     Manifest,
     Message,
     MsgType,
+    ProbeReport,
     Pull,
     Push,
     Welcome,
@@ -244,6 +247,25 @@ GOLDEN = [
             ("mac", bytes(range(32)).hex()),
         ),
     ),
+    Golden(
+        ProbeReport(240, 9, b"\x01\x02\x03"),
+        "5945544f" "01" "11" "0000" "17000000",  # 23-byte body
+        (
+            ("step", "f000000000000000"),
+            ("installed", "0900000000000000"),
+            ("summary", "03000000" "010203"),  # u32 length, then the consensus summary's bytes
+        ),
+    ),
+    Golden(
+        Consensus(10, 2, 0.5, (1.0, UNKNOWN)),
+        "5945544f" "01" "12" "0000" "28000000",  # 40-byte body
+        (
+            ("round", "0a00000000000000"),
+            ("learners", "02000000"),
+            ("js", "000000000000e03f"),  # f64 0.5
+            ("fragment_l2", "02000000" "000000000000f03f" "000000000000f0bf"),  # 2 items: 1.0, -1.0 (unknown)
+        ),
+    ),
 ]
 
 # Extremes and odd values next to the golden ones: every field at its widest, empty strings, non-ASCII.
@@ -277,6 +299,10 @@ EXTREMES: list[Message] = [
     Bye("leaving ✓"),
     Done(U64_MAX),
     Done(0),
+    ProbeReport(U64_MAX, U64_MAX, b"\xff" * 4096),
+    ProbeReport(0, 0, b""),
+    Consensus(U64_MAX, U32_MAX, 1.0, ()),
+    Consensus(0, 0, UNKNOWN, (0.0, UNKNOWN, 1e300)),
 ]
 
 SAMPLES: list[Message] = [g.msg for g in GOLDEN] + EXTREMES
@@ -400,7 +426,7 @@ def test_parse_header_rejects_other_versions(version: int) -> None:
         parse_header(_header(version=version))
 
 
-@pytest.mark.parametrize("mtype", [0, 17, 200, 255])
+@pytest.mark.parametrize("mtype", [0, 19, 200, 255])
 def test_parse_header_rejects_unknown_types(mtype: int) -> None:
     with pytest.raises(ProtocolError, match=f"unknown frame type {mtype}"):
         parse_header(_header(mtype=mtype))
@@ -578,6 +604,7 @@ def test_message_type_numbers_are_pinned() -> None:
     assert {t.name: int(t) for t in MsgType} == {
         "CHALLENGE": 1, "HELLO": 2, "WELCOME": 3, "ATTACH": 4, "ERROR": 5, "CHUNK": 6, "MANIFEST": 7, "INIT": 8,
         "PULL": 9, "PUSH": 10, "BCAST": 11, "FINAL": 12, "HEARTBEAT": 13, "BYE": 14, "DONE": 15, "BW_PROBE": 16,
+        "PROBE_REPORT": 17, "CONSENSUS": 18,
     }
 
 
@@ -611,3 +638,34 @@ def test_a_probe_larger_than_the_bound_is_refused_on_decode() -> None:
     body = BodyWriter().u64(MAX_PROBE_BYTES + 1).u64(0).fixed(bytes(32), 32).getvalue()
     with pytest.raises(ProtocolError, match="BW_PROBE asks for"):
         BwProbe.decode(body)
+
+
+# -- the consensus messages (SPEC §2.7) ------------------------------------------------------------
+
+
+def test_a_probe_summary_larger_than_the_bound_is_refused() -> None:
+    from yeto_core.consensus import MAX_SUMMARY_BYTES
+
+    with pytest.raises(ValueError, match="exceeds"):
+        ProbeReport(1, 1, bytes(MAX_SUMMARY_BYTES + 1)).encode()
+    body = BodyWriter().u64(1).u64(1).u32(MAX_SUMMARY_BYTES + 1).getvalue()
+    with pytest.raises(ProtocolError, match="PROBE_REPORT: field 'summary' claims"):
+        ProbeReport.decode(body)
+
+
+@pytest.mark.parametrize(("js", "l2", "what"), [
+    (float("nan"), (), "'js'"), (1.5, (), "'js'"), (-0.5, (), "'js'"),
+    (0.1, (float("inf"),), "'fragment_l2'"), (0.1, (float("nan"),), "'fragment_l2'"), (0.1, (-2.0,), "'fragment_l2'"),
+])
+def test_consensus_with_values_that_are_no_distance_is_refused(js: float, l2: tuple[float, ...], what: str) -> None:
+    w = BodyWriter().u64(1).u32(2).f64(js).u32(len(l2))
+    for v in l2:
+        w.f64(v)
+    with pytest.raises(ProtocolError, match=f"CONSENSUS: field {what}"):
+        Consensus.decode(w.getvalue())
+
+
+def test_consensus_fragment_list_is_bounded_before_reading() -> None:
+    body = BodyWriter().u64(1).u32(2).f64(0.1).u32(messages.MAX_CONSENSUS_FRAGMENTS + 1).getvalue()
+    with pytest.raises(ProtocolError, match="list 'fragment_l2' claims"):
+        Consensus.decode(body)

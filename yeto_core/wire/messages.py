@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
 
+from yeto_core.consensus import MAX_SUMMARY_BYTES
 from yeto_core.layout import TensorSpec
 from yeto_core.wire.codec import BodyReader, BodyWriter
 from yeto_core.wire.errors import ErrorCode, ProtocolError
@@ -51,6 +52,8 @@ class MsgType(IntEnum):
     BYE = 14
     DONE = 15
     BW_PROBE = 16
+    PROBE_REPORT = 17
+    CONSENSUS = 18
 
 
 class Message(abc.ABC):
@@ -94,6 +97,7 @@ class Challenge(Message):
 
 HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the control stream
 HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (SPEC §4.5)
+HELLO_CONSENSUS = 0x4  # flag: this learner takes CONSENSUS messages (SPEC §2.7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,10 +494,74 @@ class BwProbe(Message):
         return msg
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeReport(Message):
+    """Learner → syncer (SPEC §2.7): its output distribution on the fixed probe batch, summarized
+    (`yeto_core.consensus` wire form, at most MAX_SUMMARY_BYTES), taken at optimizer step `step`
+    right after installing merged fragments; `installed` is the sum of the fragment versions it
+    held then (how many committed rounds its weights reflect), so the syncer compares only
+    summaries of learners that are about as far along."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROBE_REPORT
+    step: int
+    installed: int
+    summary: bytes
+
+    def encode(self) -> bytes:
+        return BodyWriter().u64(self.step).u64(self.installed).blob(self.summary, MAX_SUMMARY_BYTES).getvalue()
+
+    @classmethod
+    def decode(cls, body: bytes | memoryview) -> ProbeReport:
+        r = BodyReader(body, "PROBE_REPORT")
+        msg = cls(r.u64("step"), r.u64("installed"), r.blob(MAX_SUMMARY_BYTES, "summary"))
+        r.end()
+        return msg
+
+
+MAX_CONSENSUS_FRAGMENTS = 1 << 16
+UNKNOWN = -1.0  # CONSENSUS: a value not measured yet
+
+
+@dataclass(frozen=True, slots=True)
+class Consensus(Message):
+    """Syncer → learner after a commit (SPEC §2.7): the mean pairwise Jensen–Shannon distance of the
+    learners' latest probe summaries (over `learners` learners; `js` is UNKNOWN while fewer than
+    two are comparable) and, per fragment, the mean L2 norm of the learners' last merged deltas
+    θ − anchor (UNKNOWN for a fragment not merged yet)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CONSENSUS
+    round: int
+    learners: int
+    js: float
+    fragment_l2: tuple[float, ...]
+
+    def encode(self) -> bytes:
+        w = BodyWriter().u64(self.round).u32(self.learners).f64(self.js)
+        if len(self.fragment_l2) > MAX_CONSENSUS_FRAGMENTS:
+            raise ValueError(f"CONSENSUS for {len(self.fragment_l2)} fragments exceeds {MAX_CONSENSUS_FRAGMENTS}")
+        w.u32(len(self.fragment_l2))
+        for v in self.fragment_l2:
+            w.f64(v)
+        return w.getvalue()
+
+    @classmethod
+    def decode(cls, body: bytes | memoryview) -> Consensus:
+        r = BodyReader(body, "CONSENSUS")
+        rnd, learners, js = r.u64("round"), r.u32("learners"), r.f64("js")
+        l2 = tuple(r.f64("fragment_l2") for _ in range(r.count("fragment_l2", MAX_CONSENSUS_FRAGMENTS)))
+        r.end()
+        if not (js == UNKNOWN or 0.0 <= js <= 1.0):
+            raise ProtocolError(f"CONSENSUS: field 'js' is {js!r}, not a distance in [0, 1]")
+        bad = [v for v in l2 if not (v == UNKNOWN or 0.0 <= v < float("inf"))]
+        if bad:
+            raise ProtocolError(f"CONSENSUS: field 'fragment_l2' holds {bad[0]!r}, not a finite norm")
+        return cls(rnd, learners, js, l2)
+
+
 MESSAGE_TYPES: dict[MsgType, type[Message]] = {
     cls.TYPE: cls
     for cls in (Challenge, Hello, Welcome, Attach, Error, Manifest, Init, Pull, Push, Bcast, Final, Heartbeat,
-                Bye, Done, BwProbe)
+                Bye, Done, BwProbe, ProbeReport, Consensus)
 }
 
 

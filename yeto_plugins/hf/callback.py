@@ -8,11 +8,16 @@ step, the scheduler step and zero_grad). The callback reports the true number of
 (the Trainer's non-padding count: the attention mask's sum) and stops training at the step that
 installed the syncer's final cut. When the Trainer reaches `max_steps` first, `on_train_end`
 asks the syncer for the final cut and installs it before the script saves the model.
+
+Under torchrun (DDP, or FSDP2 with DTensor parameters) the island is all of its processes: rank 0
+talks to the syncer and every rank takes part in its reads and writes (`island.py`), so every
+rank stops at the same step holding the same merged weights.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +25,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
+from yeto_plugins.hf.consensus import consensus_logs, logit_probe
+from yeto_plugins.hf.island import ProcessGroupStore
 
 log = logging.getLogger("yeto.hf")
 
@@ -57,47 +64,76 @@ class YetoDiLoCo(TrainerCallback):
 
     def __init__(self, **settings: Any) -> None:
         self.settings: LearnerSettings = load_settings(LearnerSettings, **settings)
-        self.session: LearnerSession | None = None
+        self.session: LearnerSession | None = None  # on rank 0 of a multi-process island only
+        self.store: ProcessGroupStore | None = None  # a multi-process (DDP, FSDP2) island
         self.final_installed = False
+        self.pushes = self.installs = 0  # rank 0's counts, known on every rank
         self._tokens_seen = 0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         if model is None:
             raise ValueError("YetoDiLoCo needs the model; the Trainer passes it to callbacks")
-        if args.world_size > 1:
-            raise ValueError(f"YetoDiLoCo runs single-process islands; this Trainer has world_size={args.world_size}")
         if args.include_num_input_tokens_seen != "non_padding":
-            # The syncer weights islands by trained tokens; padding is not training.
+            # The syncer weights islands by trained tokens; padding is not training. The Trainer
+            # sums the count over an island's processes, so every rank sees the island's total.
             args.include_num_input_tokens_seen = "non_padding"
         named = synced_parameters(model, self.settings.tuning)
-        self.session = LearnerSession(self.settings, named, embedding_names=embedding_names(model))
-        self.session.start()
         self._tokens_seen = int(state.num_input_tokens_seen)
+        if args.world_size > 1:  # DDP or FSDP2: rank 0 talks to the syncer, the others follow
+            s = self.settings
+            self.store = ProcessGroupStore(named, embedding_names(model), timeout_s=s.collective_timeout_s,
+                                           heartbeat_s=min(5.0, s.collective_timeout_s / 4))
+            if self.store.rank == 0:
+                self.session = LearnerSession(s, store=self.store)
+            self._together(lambda session: session.start())
+            return
+        probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
+        self.session = LearnerSession(self.settings, named, embedding_names=embedding_names(model), probe=probe)
+        self.session.start()
+
+    def _together(self, call: Callable[[LearnerSession], bool | None]) -> bool:
+        """Run a session call; in a multi-process island rank 0 runs it and every rank follows
+        its reads and writes, and every rank returns its answer."""
+        if self.store is None:
+            return bool(self.session is not None and call(self.session))
+
+        def encode(answer: bool | None) -> tuple[int, int, int]:
+            assert self.session is not None
+            return int(bool(answer)), self.session.stats.pushes, self.session.stats.installs
+
+        session = self.session
+        answer, self.pushes, self.installs = self.store.run(
+            (lambda: call(session)) if session is not None else None, encode)
+        return bool(answer)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
-        if self.session is None:
+        if self.session is None and self.store is None:
             return control
         seen = int(state.num_input_tokens_seen)
         tokens, self._tokens_seen = seen - self._tokens_seen, seen
-        if self.session.step(tokens):
+        if self._together(lambda session: session.step(tokens)):
             self.final_installed = True
             control.should_training_stop = True
         return control
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self.session is None:
+        if self.session is None and self.store is None:
             return
         try:
-            self.final_installed = self.session.finish()
+            self.final_installed = self._together(lambda session: session.finish())
         finally:
-            self.session.close()
+            if self.session is not None:
+                self.session.close()
+            if self.store is not None:
+                self.store.close()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if self.session is not None and logs is not None:
-            s = self.session.stats
-            logs["yeto_pushes"] = s.pushes
-            logs["yeto_installs"] = s.installs
+        if (self.session is not None or self.store is not None) and logs is not None:
+            logs["yeto_pushes"] = self.session.stats.pushes if self.session is not None else self.pushes
+            logs["yeto_installs"] = self.session.stats.installs if self.session is not None else self.installs
+            if self.session is not None:  # SPEC §2.7: the syncer's latest consensus figures
+                logs.update(consensus_logs(self.session.stats))

@@ -2,37 +2,32 @@
 
 Only the island's rank 0 talks to the syncer (it runs the ordinary `LearnerSession` on this
 store). Every other rank must take part in each read and write, so rank 0 leads and the others
-follow one op at a time over a gloo group of the whole island:
-
-    header [op, a, b, c] (broadcast from rank 0) → the op's own point-to-point transfers
+follow one op at a time (`yeto_core.conductor`) over a gloo group of the whole island:
 
 * `GATHER plan` — each rank sends rank 0 the master slices it answers for (`masters.py`), in its
   own parameter order; rank 0 puts them where they belong in the global tensors (tensor-parallel
   slices are joined along their split dimension, interleaved by Megatron's partition stride).
 * `INSTALL plan` — rank 0 cuts each rank's whole TP-local tensors out of the fragment and sends
   them; every rank writes masters and parameters (`masters.write_parameter`).
-* `PLAN id` — the first use of a fragment tells the others its tensors (an object broadcast).
-* `END result pushes installs`, `ERROR nbytes` (+ the message), `NOP` (rank 0 is waiting on the
-  network; the others' deadline restarts).
+The first use of a fragment tells the others its tensors (the conductor's PLAN).
 
 A fragment moves in batches of whole tensors of at most `gather_chunk_mib` (a larger tensor is a
 batch of its own), so no rank holds more than one batch of it beyond what the session keeps.
 Rank 0 checks a write's size before it announces the write: a bad payload raises on rank 0 and,
-through `ERROR`, on every rank, instead of leaving the others waiting in a transfer.
+through the conductor, on every rank, instead of leaving the others waiting in a transfer.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from yeto_core.conductor import FIRST_STORE_OP, Conductor, IslandError
 from yeto_core.layout import Fragment, TensorSpec
 from yeto_core.store import check_fragment_values
 from yeto_plugins.swift_megatron.masters import Master, masters, write_parameter
@@ -41,11 +36,8 @@ from yeto_plugins.swift_megatron.names import EMBEDDING, LocalParam, canonical_o
 log = logging.getLogger("yeto.megatron")
 
 T = TypeVar("T")
-NOP, PLAN, GATHER, INSTALL, END, ERROR = range(6)
-
-
-class IslandError(RuntimeError):
-    """Rank 0 of the island failed; raised on every rank with rank 0's message."""
+GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
+__all__ = ["IslandError", "IslandStore", "join_shards", "shard_of"]
 
 
 @dataclass(frozen=True)
@@ -115,11 +107,11 @@ class IslandStore:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, *, chunk_mib: int = 64,
                  timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("a Megatron island needs torch.distributed initialized (every rank constructs the sync)")
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
+        self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+        self.group, self.rank, self.world = self.conductor.group, self.conductor.rank, self.conductor.world
+        plan_of = self.conductor.plan_of
+        self.conductor.handlers[GATHER] = lambda plan, _b, _c: self._gather_batches(plan_of(plan), None)
+        self.conductor.handlers[INSTALL] = lambda plan, _b, _c: self._install_batches(plan_of(plan), None)
         self.chunk_elems = (chunk_mib << 20) // 4
         self.local: list[LocalParam] = local_params(chunks)
         self.masters: list[Master] = masters(self.local, optimizer)
@@ -141,86 +133,33 @@ class IslandStore:
         self.specs: list[TensorSpec] = specs
         self._shapes: dict[str, tuple[tuple[int, ...], int, int]] = shapes  # name -> (shape, tp_dim, stride)
         self._shard_counts = {p.name: p.shard[1] for c in self.catalogs for p in c if not p.alias}
-        self._plans: dict[int, list[Slot]] = {}
-        self._plan_ids: dict[tuple[int, int, int], int] = {}
-        self._last_op = time.monotonic()
-        self.result: tuple[int, int, int] = (0, 0, 0)
 
-    # -- leading and following ---------------------------------------------------------------
     def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
-        """Rank 0 runs `fn` (whose reads and writes the others follow) and ends with its result
-        encoded as three ints, which every rank returns; a failure on rank 0 raises everywhere."""
-        if self.rank != 0:
-            return self._follow()
-        assert fn is not None
-        try:
-            result = encode(fn())
-        except BaseException as exc:
-            message = f"{type(exc).__name__}: {exc}".encode()[:65536]
-            self._header(ERROR, len(message))
-            dist.broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), 0, group=self.group)
-            raise
-        self._header(END, *result)
-        self.result = result
-        return result
-
-    def _header(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
-        dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.int64), 0, group=self.group)
-        self._last_op = time.monotonic()
-
-    def _follow(self) -> tuple[int, int, int]:
-        header = torch.empty(4, dtype=torch.int64)
-        while True:
-            dist.broadcast(header, 0, group=self.group)
-            op, a, b, c = (int(x) for x in header)
-            if op == END:
-                self.result = (a, b, c)
-                return self.result
-            if op == ERROR:
-                message = torch.empty(a, dtype=torch.uint8)
-                dist.broadcast(message, 0, group=self.group)
-                raise IslandError(f"rank 0 of the island failed: {bytes(message.numpy()).decode(errors='replace')}")
-            if op == PLAN:
-                box: list[Any] = [None]
-                dist.broadcast_object_list(box, 0, group=self.group)
-                self._plans[a] = box[0]
-            elif op == GATHER:
-                self._gather_batches(self._plans[a], None)
-            elif op == INSTALL:
-                self._install_batches(self._plans[a], None)
-            elif op != NOP:
-                raise IslandError(f"unknown op {op} from rank 0 of the island")
+        """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
+        return self.conductor.run(fn, encode)
 
     def tick(self) -> None:
-        if self.rank == 0 and time.monotonic() - self._last_op > self.heartbeat_s:
-            self._header(NOP)
+        self.conductor.tick()
 
     # -- TensorStore (rank 0) ----------------------------------------------------------------
-    def _plan(self, fragment: Fragment) -> int:
-        key = (id(fragment), fragment.index, fragment.numel)
-        plan = self._plan_ids.get(key)
-        if plan is None:
-            plan = self._plan_ids[key] = len(self._plans)
-            slots = [Slot(s.name, s.shape, s.offset, s.numel, *self._shapes[s.name][1:]) for s in fragment.slots]
-            self._plans[plan] = slots
-            self._header(PLAN, plan)
-            dist.broadcast_object_list([slots], 0, group=self.group)
-        return plan
+    def _plan(self, fragment: Fragment) -> tuple[int, list[Slot]]:
+        return self.conductor.plan((fragment.index, fragment.numel, fragment.slots), lambda: [
+            Slot(s.name, s.shape, s.offset, s.numel, *self._shapes[s.name][1:]) for s in fragment.slots])
 
     def gather(self, fragment: Fragment) -> torch.Tensor:
-        plan = self._plan(fragment)
+        plan, slots = self._plan(fragment)
         out = torch.empty(fragment.numel, dtype=torch.float32)
-        self._header(GATHER, plan)
-        self._gather_batches(self._plans[plan], out)
+        self.conductor.announce(GATHER, plan)
+        self._gather_batches(slots, out)
         return out
 
     def install(self, fragment: Fragment, values: torch.Tensor, alpha: float) -> None:
         check_fragment_values(fragment, values)  # before anything is announced to the other ranks
         if alpha != 0.0:  # blend against the masters, in f32, then write exactly that everywhere
             values = self.gather(fragment).mul_(alpha).add_(values, alpha=1.0 - alpha)
-        plan = self._plan(fragment)
-        self._header(INSTALL, plan)
-        self._install_batches(self._plans[plan], values)
+        plan, slots = self._plan(fragment)
+        self.conductor.announce(INSTALL, plan)
+        self._install_batches(slots, values)
 
     # -- the transfers -----------------------------------------------------------------------
     def _gather_batches(self, slots: list[Slot], out: torch.Tensor | None) -> None:
@@ -305,7 +244,7 @@ class IslandStore:
                     write_parameter(lp, m, cut(Piece(lp.global_name, lp.param.numel(), lp.shard, m.owned, lp.alias)))
 
     def close(self) -> None:
-        dist.destroy_process_group(self.group)
+        self.conductor.close()
 
 
 def _span(piece: Piece) -> int:

@@ -1,0 +1,178 @@
+"""A rank of an FSDP2 island (`fully_shard` on gloo, CPU) run by `tests/mcore/launch.run_ranks`.
+
+    python fsdp_worker.py exact    # reads and writes through ProcessGroupStore are exact; moments kept
+    python fsdp_worker.py train    # a lone learner against the syncer in YETO_DILOCO_*, lock-stepped
+
+With WORLD_SIZE 1 `train` runs the same schedule as one plain process (no FSDP), the reference.
+Every rank reports a JSON dict through `launch.report`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))
+from launch import report
+
+from yeto_core.layout import build_layout
+from yeto_core.learner import LearnerSession
+from yeto_core.settings import LearnerSettings, load_settings
+from yeto_plugins.hf.island import ProcessGroupStore
+
+GLOBAL_BATCH = 16
+
+
+def build(world: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    target = torch.randn(8, 4)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    return model, target
+
+
+def batch(step: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of the step's global batch (the same global batch for any world size)."""
+    x = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(1000 + step))
+    rows = GLOBAL_BATCH // world
+    return x[rank * rows : (rank + 1) * rows]
+
+
+def train_step(model: torch.nn.Module, target: torch.Tensor, opt: torch.optim.Optimizer, step: int, rank: int,
+               world: int) -> None:
+    x = batch(step, rank, world)
+    loss = torch.nn.functional.mse_loss(model(x), x @ target)
+    opt.zero_grad()
+    loss.backward()  # FSDP2 averages the gradients over the ranks: the global batch's mean
+    opt.step()
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
+def share(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def mode_exact(rank: int, world: int) -> None:
+    model, target = build(world)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        train_step(model, target, opt, step, rank, world)
+    named = list(model.named_parameters())
+    ids = [id(p) for _, p in named]
+    moments = [v.detach().clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+    store = ProcessGroupStore(named)
+    fragment = build_layout(store.specs, 1).fragments[0]
+    problems = []
+    box: dict[str, torch.Tensor] = {}
+
+    def gather() -> bool:
+        box["read"] = store.gather(fragment)
+        return False
+
+    store.run(gather if rank == 0 else None, lambda _: (0, 0, 0))
+    read = share(box.get("read"))
+    before = {name: full(p).float().clone() for name, p in named}
+    for slot in fragment.slots:
+        if not torch.equal(read[slot.offset : slot.offset + slot.numel].view(slot.shape), before[slot.name]):
+            problems.append(f"read: {slot.name} differs from its full tensor")
+    new = torch.randn(fragment.numel, generator=torch.Generator().manual_seed(7))
+    for alpha in (0.0, 0.5):
+        base = {name: full(p).float().clone() for name, p in named}
+        store.run((lambda a=alpha: store.install(fragment, new.clone(), a)) if rank == 0 else None,  # type: ignore[misc]
+                  lambda _: (0, 0, 0))
+        for slot in fragment.slots:
+            glob = new[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            want = glob if alpha == 0.0 else base[slot.name].mul(alpha).add(glob, alpha=1.0 - alpha)
+            if not torch.equal(full(dict(named)[slot.name]).float(), want):
+                problems.append(f"write alpha={alpha}: {slot.name} is not what was installed")
+    if [id(p) for _, p in model.named_parameters()] != ids:
+        problems.append("the parameter objects changed")
+    after = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+    if len(after) != len(moments) or not all(torch.equal(a, b) for a, b in zip(after, moments, strict=True)):
+        problems.append("optimizer moments changed")
+    train_step(model, target, opt, 3, rank, world)  # still trains with the installed shards
+    store.close()
+    report({"problems": problems, "sharded": store.sharded, "moments": len(moments)})
+
+
+def settle(session: LearnerSession, store: ProcessGroupStore, what: Callable[[LearnerSession], bool],
+           deadline: float) -> None:
+    """Rank 0: drain the syncer's messages (nothing is installed) until `what` holds."""
+    while not what(session):
+        if time.monotonic() > deadline:
+            raise TimeoutError("lock step: the syncer did not answer in time")
+        store.tick()
+        session._drain(timeout=0.02)
+
+
+def lock_step(s: LearnerSession, store: ProcessGroupStore, step: int, every: int) -> bool:
+    """Rank 0, before a step: the schedule of lockstep.py for one learner. The last push has
+    streamed and the BCAST of its round has arrived (it is installed at this step), and at a
+    boundary the PULL it answers is there."""
+    deadline = time.monotonic() + 60
+    job = s._push
+    if job is not None:
+        settle(s, store, lambda s: job.done.is_set() or s._final_ready(), deadline)
+        f, v = job.pull.fragment, job.pull.version + 1
+        settle(s, store, lambda s: s._final_ready() or s.fragments[f].version >= v or (
+            f in s._bcasts and s._bcasts[f][0].version >= v), deadline)
+    if step % every == 0:
+        settle(s, store, lambda s: s._final_ready() or any(p.round == step // every - 1 for p in s._pulls.values()),
+               deadline)
+    return False
+
+
+def mode_train(rank: int, world: int) -> None:
+    model, target = build(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    settings = load_settings(LearnerSettings, sync_interval=6, merge_alpha=0.0)
+    store = ProcessGroupStore(list(model.named_parameters()), timeout_s=settings.collective_timeout_s)
+    session = LearnerSession(settings, store=store) if rank == 0 else None
+    store.run((lambda: session.start()) if session is not None else None, lambda _: (0, 0, 0))  # type: ignore[union-attr]
+    be = 2  # H = 6 over 3 fragments: a boundary every 2 steps
+    final, step = False, 0
+    while not final and step < 500:
+        step += 1
+        # One collective call per step on every rank: rank 0 waits inside it, the others follow.
+        store.run((lambda n=step: lock_step(session, store, n, be)) if session is not None else None,  # type: ignore[misc]
+                  lambda _: (0, 0, 0))
+        train_step(model, target, opt, step, rank, world)
+        answer, _, _ = store.run((lambda: session.step(GLOBAL_BATCH)) if session is not None else None,  # type: ignore[union-attr]
+                                 lambda a: (int(bool(a)), 0, 0))
+        final = bool(answer)
+    digest = hashlib.sha256(b"".join(full(p).float().numpy().tobytes() for _, p in model.named_parameters()))
+    if session is not None:
+        session.close()
+    store.close()
+    report({"final": final, "steps": step, "problems": [] if final else ["no final cut"],
+            "digest": digest.hexdigest()})
+
+
+if __name__ == "__main__":
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        {"exact": mode_exact, "train": mode_train}[sys.argv[1]](rank, world)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,84 @@
+"""HF islands of several processes: DDP under torchrun (gloo, CPU) against the real syncer, and
+FSDP2 islands (`fully_shard`) whose reads and writes must be exact (SPEC §5.1)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    EXAMPLE,
+    ROOT,
+    TINY_MODEL,
+    Procs,
+    assert_bit_identical,
+    checkpoint_params,
+    learner_env,
+    model_dir,
+    model_tensors,
+    start_syncer,
+    syncer_exit_code,
+    wait_all,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def start_ddp_island(procs: Procs, syncer_address: str, key_file: Path, learner_id: int, *, ranks: int,
+                     max_steps: int) -> object:
+    out_dir = procs.workdir / f"island{learner_id}-model"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            str(EXAMPLE), "--output-dir", str(out_dir), "--max-steps", str(max_steps), *TINY_MODEL]
+    env = learner_env(syncer_address, key_file, learner_id, collective_timeout_s=60)
+    env["OMP_NUM_THREADS"] = "1"
+    return procs.start(f"island{learner_id}", argv, env=env, output_dir=out_dir)
+
+
+@pytest.mark.timeout(300)
+def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: Procs, key_file: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, total_rounds=16)
+    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000) for n in range(2)]
+    codes = wait_all(islands, 240)  # type: ignore[arg-type]
+    assert codes == [0, 0], "\n".join(p.tail() for p in islands)  # type: ignore[attr-defined]
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    assert syncer.checkpoint is not None
+    final = checkpoint_params(syncer.checkpoint)
+    commits = syncer.commits()
+    assert len(commits) == 16 and {tuple(c["learners"]) for c in commits} <= {(0, 1), (1, 0), (0,), (1,)}
+    for n, island in enumerate(islands):
+        weights = island.events("weights")  # type: ignore[attr-defined]
+        assert sorted(w["rank"] for w in weights) == [0, 1], f"island {n}: {weights}"
+        assert all(w["final_cut"] for w in weights), f"island {n}: a rank did not install the final cut"
+        assert len({w["sha256"] for w in weights}) == 1, f"island {n}: its ranks hold different weights"
+        assert len({w["steps"] for w in weights}) == 1, f"island {n}: its ranks stopped at different steps"
+        # Rank 0 saved the model; the ranks hold the same bits, so every rank holds the syncer's.
+        assert_bit_identical(model_tensors(model_dir(island)), final, f"island {n}")  # type: ignore[arg-type]
+
+
+FSDP_WORKER = ROOT / "tests" / "integration" / "fsdp_worker.py"
+
+
+@pytest.mark.timeout(200)
+def test_an_fsdp2_island_reads_and_writes_exactly_and_matches_one_process(procs: Procs, key_file: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "mcore"))
+    from launch import run_ranks
+
+    exact = run_ranks(FSDP_WORKER, 2, args=["exact"], timeout_s=120)
+    for r in exact:
+        assert r.result is not None and r.result["problems"] == [], r.result
+    # The same deterministic schedule (a lone learner, the syncer's rounds paced to its steps) run
+    # by a 2-rank FSDP2 island and by one process must end at the same weights.
+    finals = {}
+    for world in (2, 1):
+        syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=3, total_rounds=9,
+                              tape_name=f"tape{world}.jsonl", checkpoint_name=f"final{world}.safetensors")
+        env = learner_env(syncer, key_file, 0, collective_timeout_s=60)
+        ranks = run_ranks(FSDP_WORKER, world, args=["train"], env=env, timeout_s=150)
+        assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+        assert all(r.result is not None and r.result["final"] and r.result["problems"] == [] for r in ranks), [
+            r.result for r in ranks]
+        assert syncer.checkpoint is not None
+        finals[world] = checkpoint_params(syncer.checkpoint)
+    for name, value in finals[1].items():
+        assert (finals[2][name] - value).abs().max() < 1e-5, f"{name}: FSDP2 island and one process differ"

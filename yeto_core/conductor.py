@@ -1,0 +1,111 @@
+"""`Conductor`: rank 0 of a multi-process island leads, the other ranks follow, op by op.
+
+Only an island's rank 0 talks to the syncer (it runs the ordinary `LearnerSession`). When that
+session reads or writes a fragment, every rank must take part in the same collectives, in the
+same order. So each call that may touch the tensors (`start`, `step`, `finish`) runs as
+
+    rank 0:  fn()  — every read/write first broadcasts a header [op, a, b, c], then runs its
+                     collective — and finally END with three result ints
+    others:  receive headers and run the matching collective, until END (or ERROR)
+
+over a dedicated gloo group (host memory, whatever the training backend is). A failure on rank 0
+is broadcast as ERROR with its message and raised on every rank as `IslandError`, instead of
+leaving the others waiting in a collective: stores check their inputs before they announce an
+op. While rank 0 waits on the network (the initial or the final cut) it sends NOP every
+`heartbeat_s`, so the others' deadline (the group's timeout) measures silence, not the wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+NOP, PLAN, END, ERROR = 0, 1, 2, 3
+FIRST_STORE_OP = 8  # stores number their own ops from here
+
+
+class IslandError(RuntimeError):
+    """Rank 0 of the island failed; raised on every other rank with rank 0's message."""
+
+
+class Conductor:
+    def __init__(self, *, timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("a multi-process island needs torch.distributed initialized on every rank")
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.heartbeat_s = heartbeat_s
+        self.handlers: dict[int, Callable[[int, int, int], None]] = {}
+        self._plans: dict[int, Any] = {}
+        self._plan_ids: dict[Any, int] = {}
+        self._last_op = time.monotonic()
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
+        """Rank 0 runs `fn` and ends with its result as three ints, which every rank returns."""
+        if not self.leads:
+            return self._follow()
+        assert fn is not None
+        try:
+            result = encode(fn())
+        except BaseException as exc:
+            message = f"{type(exc).__name__}: {exc}".encode()[:65536]
+            self.announce(ERROR, len(message))
+            dist.broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), 0, group=self.group)
+            raise
+        self.announce(END, *result)
+        return result
+
+    def announce(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
+        """Rank 0: tell the others which collective comes next."""
+        dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.int64), 0, group=self.group)
+        self._last_op = time.monotonic()
+
+    def plan(self, key: Any, make: Callable[[], Any]) -> tuple[int, Any]:
+        """Rank 0: a numbered plan (e.g. a fragment's tensors), sent to the others on first use."""
+        plan_id = self._plan_ids.get(key)
+        if plan_id is None:
+            plan_id = self._plan_ids[key] = len(self._plans)
+            self._plans[plan_id] = make()
+            self.announce(PLAN, plan_id)
+            dist.broadcast_object_list([self._plans[plan_id]], 0, group=self.group)
+        return plan_id, self._plans[plan_id]
+
+    def plan_of(self, plan_id: int) -> Any:
+        return self._plans[plan_id]
+
+    def tick(self) -> None:
+        if self.leads and time.monotonic() - self._last_op > self.heartbeat_s:
+            self.announce(NOP)
+
+    def _follow(self) -> tuple[int, int, int]:
+        header = torch.empty(4, dtype=torch.int64)
+        while True:
+            dist.broadcast(header, 0, group=self.group)
+            op, a, b, c = (int(x) for x in header)
+            if op == END:
+                return a, b, c
+            if op == ERROR:
+                message = torch.empty(a, dtype=torch.uint8)
+                dist.broadcast(message, 0, group=self.group)
+                raise IslandError(f"rank 0 of the island failed: {bytes(message.numpy()).decode(errors='replace')}")
+            if op == PLAN:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, 0, group=self.group)
+                self._plans[a] = box[0]
+            elif op in self.handlers:
+                self.handlers[op](a, b, c)
+            elif op != NOP:
+                raise IslandError(f"unknown op {op} from rank 0 of the island")
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)

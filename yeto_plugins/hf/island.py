@@ -1,0 +1,118 @@
+"""`ProcessGroupStore`: an HF island of several processes (DDP replicas or FSDP2 shards).
+
+Every rank holds the model; rank 0 alone runs the learner session (`yeto_core.conductor` makes
+the others follow its reads and writes over a gloo group of the island):
+
+* **DDP** — every rank holds the same full parameters. Rank 0 reads its own copy (nothing to
+  collect); a write broadcasts the fragment's values and every rank applies the same blend to its
+  replica, so the replicas stay bit-identical.
+* **FSDP2** (`fully_shard`: parameters are `DTensor`s) — a read is `full_tensor()` on every rank
+  (an all-gather), of which rank 0 keeps the values; a write broadcasts the values and each rank
+  cuts its own shard out of them (`distribute_tensor(..., src_data_rank=None)` slices locally,
+  no communication) and blends it into the *same* parameter objects, so the optimizer's moments,
+  keyed by those objects, are kept.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Collection, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from yeto_core.conductor import FIRST_STORE_OP, Conductor
+from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
+from yeto_core.store import check_fragment_values
+
+GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
+T = TypeVar("T")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "device_mesh")
+
+
+def _alpha_bits(alpha: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", alpha))[0])
+
+
+def _bits_alpha(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+class ProcessGroupStore:
+    """A `TensorStore` on rank 0 of a DDP or FSDP2 island; the other ranks follow (`run`)."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], embedding_names: Collection[str] = (), *,
+                 timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
+        self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+        self.rank, self.world = self.conductor.rank, self.conductor.world
+        self.params: dict[str, torch.Tensor] = dict(named_params)
+        self.specs: list[TensorSpec] = specs_from_named_tensors(named_params, embedding_names)  # DTensor: global shape
+        self.sharded = any(_is_dtensor(p) for p in self.params.values())
+        self.conductor.handlers[GATHER] = self._follow_read
+        self.conductor.handlers[INSTALL] = lambda plan, numel, bits: self._write(
+            self.conductor.plan_of(plan), torch.empty(numel, dtype=torch.float32), _bits_alpha(bits))
+
+    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
+        """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
+        return self.conductor.run(fn, encode)
+
+    def tick(self) -> None:
+        self.conductor.tick()
+
+    def close(self) -> None:
+        self.conductor.close()
+
+    # -- TensorStore (rank 0) ----------------------------------------------------------------
+    def _plan(self, fragment: Fragment) -> tuple[int, tuple[TensorSlot, ...]]:
+        return self.conductor.plan((fragment.index, fragment.numel, fragment.slots), lambda: fragment.slots)
+
+    def gather(self, fragment: Fragment) -> torch.Tensor:
+        if any(_is_dtensor(self.params[s.name]) for s in fragment.slots):
+            plan, _ = self._plan(fragment)
+            self.conductor.announce(GATHER, plan)  # the all-gathers need every rank
+        out = self._read(fragment.slots)
+        assert out is not None
+        return out
+
+    def install(self, fragment: Fragment, values: torch.Tensor, alpha: float) -> None:
+        check_fragment_values(fragment, values)  # before the other ranks are told anything
+        plan, _ = self._plan(fragment)
+        self.conductor.announce(INSTALL, plan, fragment.numel, _alpha_bits(alpha))
+        self._write(fragment.slots, values.contiguous(), alpha)
+
+    # -- on every rank ---------------------------------------------------------------------------
+    def _follow_read(self, plan: int, _b: int, _c: int) -> None:
+        self._read(self.conductor.plan_of(plan))
+
+    def _read(self, slots: Sequence[TensorSlot]) -> torch.Tensor | None:
+        parts = []
+        with torch.no_grad():
+            for slot in slots:
+                p = self.params[slot.name].detach()
+                full = p.full_tensor() if _is_dtensor(p) else p  # type: ignore[attr-defined]
+                if self.rank == 0:
+                    parts.append(full.reshape(-1).float())
+        return torch.cat(parts) if self.rank == 0 else None
+
+    def _write(self, slots: Sequence[TensorSlot], values: torch.Tensor, alpha: float) -> None:
+        dist.broadcast(values, 0, group=self.conductor.group)
+        with torch.no_grad():
+            for slot in slots:
+                param = self.params[slot.name]
+                glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if _is_dtensor(param):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    glob = distribute_tensor(glob.to(param.dtype if alpha == 0.0 else torch.float32),
+                                             param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                                             src_data_rank=None)
+                if alpha == 0.0:
+                    param.copy_(glob)
+                elif param.dtype == torch.float32:
+                    param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
+                else:  # blend in f32, then round once into the lower-precision parameter
+                    param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
