@@ -9,6 +9,7 @@ one log line.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import sys
@@ -51,8 +52,10 @@ from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import (
     BCAST_FULL,
+    BCAST_MERGED,
     HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
+    HELLO_OVERLAP,
     Bcast,
     Bye,
     Done,
@@ -224,7 +227,8 @@ class Coordinator(PushIntake):
             self._retire(old.group)
         link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint,
                     codec=codec_by_id(ev.wire_dtype, block=ev.push_block or DEFAULT_BLOCK),
-                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS))
+                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS),
+                    overlap=bool(ev.flags & HELLO_OVERLAP))
         if ev.manifest is not None and self.layout is None:
             layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
             self._pin(layout)
@@ -506,7 +510,7 @@ class Coordinator(PushIntake):
             if ckpt_ms is not None:
                 record["checkpoint_ms"] = round(ckpt_ms, 1)
         self.tape.append(record)
-        self._broadcast(attempt.round, f)
+        self._broadcast(attempt.round, f, merged=set(record["learners"]))
         self._send_consensus(attempt.round)
         took = time.perf_counter() - t0
         self.sync_s = took if self.sync_s == 0.0 else (1 - EMA) * self.sync_s + EMA * took  # ξ_sync
@@ -522,8 +526,9 @@ class Coordinator(PushIntake):
         assert self.state is not None
         return tensor_bytes(self.state.params[index].detach().to("cpu", copy=True))
 
-    def _broadcast(self, round_id: int, f: int) -> None:
-        """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta."""
+    def _broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
+        """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
+        flagged MERGED for the learners whose push it merged (they rebase on it, SPEC §2.5)."""
         assert self.state is not None and self.layout is not None
         version = self.state.versions[f]
         links = list(self.links.values())
@@ -538,11 +543,12 @@ class Coordinator(PushIntake):
         if len(links) < 2:
             fault_point("mid-bcast")
         for n, link in enumerate(links):
+            mine = BCAST_MERGED if link.learner_id in merged else 0
             if link.bcast_delta:
-                ticket = link.group.send(delta_msg, b.payload)
+                ticket = link.group.send(dataclasses.replace(delta_msg, flags=delta_msg.flags | mine), b.payload)
             else:
                 exact = self._fragment_bytes(f) if exact is None else exact
-                ticket = link.group.send(Bcast(f, version, round_id, BCAST_FULL, 0, 0, F32.wire_id), exact)
+                ticket = link.group.send(Bcast(f, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id), exact)
             if n == 0 and len(links) > 1 and armed("mid-bcast"):
                 ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
                 fault_point("mid-bcast")

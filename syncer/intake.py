@@ -58,6 +58,10 @@ class PushIntake:
             fate, problem = self._judge(link, msg)
         else:
             fate = PushFate.REFUSE
+        if fate is PushFate.CARRY and link.overlap:
+            # An overlapping learner rebases on the version its push was merged into; a carried
+            # push would be merged later, unflagged, and counted twice. Its progress stays local.
+            fate, problem = PushFate.REFUSE, f"{problem}; not carried for a learner that overlaps (it pushes it again)"
         if fate is PushFate.REFUSE:
             self._refuse_push(link, msg, problem)
             return

@@ -43,6 +43,7 @@ class Link:
     finished: bool = False
     final_sent: bool = False
     acked: bool = False
+    overlap: bool = False  # rebases on its merged pushes (SPEC §2.5): its late pushes are refused, not carried
     said_bye: bool = False  # left on purpose: a finalizing syncer does not wait for it to return
 
 

@@ -34,6 +34,7 @@ from yeto_core.wire.messages import (
     CHUNK_BYTES,
     HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
+    HELLO_OVERLAP,
     HELLO_SENDS_MANIFEST,
     Attach,
     Bcast,
@@ -111,6 +112,7 @@ class SyncerClient:
         reconnect_max_s: float = 30.0,
         stall_timeout_s: float = 0.0,
         bcast_delta: bool = False,
+        overlap: bool = False,
         schedule: str = "rr",
         init_values: Callable[[], list[torch.Tensor] | None] | None = None,
         step: Callable[[], int] = lambda: 0,
@@ -127,6 +129,7 @@ class SyncerClient:
         self._reconnect_max_s = reconnect_max_s
         self._stall_timeout_s = stall_timeout_s
         self.bcast_delta = bcast_delta
+        self.overlap = overlap
         self._schedule = schedule
         self._downlink: DownlinkDecoder | None = None
         self._init_values = init_values
@@ -240,7 +243,7 @@ class SyncerClient:
             # syncer without state can build the layout and bound every transfer before any bulk byte.
             sends_manifest = self._init_values is not None
             flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
-            flags |= HELLO_CONSENSUS
+            flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.overlap else 0)
             block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
             hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
                           flags, client_nonce, push_block=block)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from yeto_core.blocking import blocking_fragments
 from yeto_core.client import Connected, Lost, PushJob, Received, SyncerClient
 from yeto_core.codecs import codec_by_name
 from yeto_core.consensus_report import ConsensusReporter, Probe, metrics
@@ -42,7 +43,7 @@ from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult, measure_link
 from yeto_core.settings import LearnerSettings
 from yeto_core.store import LocalStore, TensorStore, check_fragment_values
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
-from yeto_core.wire.messages import Bcast, Bye, Consensus, Final, Pull
+from yeto_core.wire.messages import BCAST_MERGED, Bcast, Bye, Consensus, Final, Pull
 
 log = logging.getLogger("yeto.learner")
 
@@ -63,6 +64,8 @@ class LearnerStats:
     push_failures: int = 0
     replays: int = 0  # pushes sent again, unchanged, when the syncer re-pulled their round
     installs: int = 0
+    rebases: int = 0  # overlap installs that dropped a merged push from θ (Mix1)
+    blocked_s: float = 0.0  # time steps waited for blocking fragments (Mix2)
     final_installed: bool = False
     connected_generations: list[int] = field(default_factory=list)
     probe: ProbeResult | None = None
@@ -89,6 +92,7 @@ class LearnerSession:
         self.specs: list[TensorSpec] = list(self.store.specs)
         self.codec = codec_by_name(settings.wire_dtype, block=settings.push_block)
         self.layout: Layout | None = None
+        self.blocking: frozenset[int] = frozenset()  # fragments waited for at their boundary (Mix2)
         self.fragments: list[FragmentState] = []
         self.stats = LearnerStats()
         self._layout_lock = threading.Lock()
@@ -121,6 +125,7 @@ class LearnerSession:
             reconnect_max_s=settings.reconnect_max_s,
             stall_timeout_s=settings.wan_stall_timeout_s,
             bcast_delta=settings.bcast_delta,
+            overlap=settings.overlap,
             schedule=settings.wan_stream_schedule,
             init_values=self._initial_values if settings.learner_id == 0 else None,
             step=lambda: self.stats.steps,
@@ -136,9 +141,12 @@ class LearnerSession:
         with self._layout_lock:
             if self.layout is None:
                 try:
-                    self.layout = build_layout(self.specs, num_fragments, pattern)
+                    layout = build_layout(self.specs, num_fragments, pattern)
+                    self.blocking = blocking_fragments(layout, self.settings.blocking)
                 except ValueError as exc:
-                    raise Refused(ErrorCode.LAYOUT, str(exc)) from exc
+                    where = " (YETO_DILOCO_BLOCKING)" if "blocking" in str(exc) else ""
+                    raise Refused(ErrorCode.LAYOUT, f"{exc}{where}") from exc
+                self.layout = layout
                 self.fragments = [FragmentState() for _ in range(num_fragments)]
             elif (self.layout.num_fragments, self.layout.pattern) != (num_fragments, pattern):
                 raise Refused(ErrorCode.LAYOUT, f"the syncer now asks for {num_fragments} {pattern} fragments; "
@@ -310,20 +318,57 @@ class LearnerSession:
     def _install_bcasts(self) -> None:
         for index, (msg, values) in sorted(self._bcasts.items()):
             state = self.fragments[index]
+            sent = self._unconfirmed.get(index)
+            marks = self._pushed_at.get(index)
             if msg.version != state.version:
                 first = state.version < 0
-                self._install(index, values, alpha=0.0 if first else self.settings.merge_alpha)
+                if self.settings.overlap and not first:
+                    merged = self._rebase(index, msg, values, sent)
+                    if not merged:
+                        marks = None  # the progress before the push is still ours to push: keep the marks
+                else:
+                    self._install(index, values, alpha=0.0 if first else self.settings.merge_alpha)
                 state.version = msg.version
                 self.stats.installs += 1
-            sent = self._unconfirmed.get(index)
             if sent is not None and state.version > sent.base_version:
                 del self._unconfirmed[index]  # its round committed (with or without it): nothing to replay
                 # Steps trained between the push and this install belong to the next push of this
                 # fragment: each step is counted once per fragment, however long the round took.
-                marks = self._pushed_at.pop(index, None)
+                self._pushed_at.pop(index, None)
                 if marks is not None:
                     state.tokens_mark, state.steps_mark = marks
         self._bcasts.clear()
+
+    def _rebase(self, index: int, msg: Bcast, values: torch.Tensor, sent: PushJob | None) -> bool:
+        """Overlap (SPEC §2.5, Mix1): θ ← Θ + (θ − base), and Θ becomes the anchor. `base` is θ
+        at the push when Θ merged that push (the syncer flags it), else the old anchor: the
+        progress Θ already holds is dropped once, the rest is kept for the next push. True when
+        Θ merged this learner's push."""
+        assert self.layout is not None
+        state = self.fragments[index]
+        assert state.anchor is not None
+        merged = (sent is not None and bool(msg.flags & BCAST_MERGED) and msg.round == sent.pull.round
+                  and sent.base_version == state.version)
+        base = state.anchor
+        if merged:
+            assert sent is not None
+            base = state.anchor + self._as_merged(sent.delta)
+        fragment = self.layout.fragments[index]
+        self.store.install(fragment, values + (self._gather(index) - base), 0.0)
+        state.anchor = values
+        self.stats.rebases += int(merged)
+        return merged
+
+    def _as_merged(self, delta: torch.Tensor) -> torch.Tensor:
+        """The delta as the syncer decoded it: with a lossy push codec the rounding error stays in
+        θ − base and goes out with the next push (error feedback) instead of being lost."""
+        if self.codec.name == "f32":
+            return delta
+        wire = bytearray(self.codec.encoded_nbytes(delta.numel()))
+        self.codec.encode(delta, memoryview(wire))
+        out = torch.empty_like(delta)
+        self.codec.decode(memoryview(wire), out)
+        return out
 
     def _install(self, index: int, values: torch.Tensor, *, alpha: float) -> None:
         assert self.layout is not None
@@ -411,4 +456,22 @@ class LearnerSession:
             self._pushed_on[pull.fragment] = self._links
             self._pushed_at[pull.fragment] = (self.stats.tokens, self.stats.steps)
             self.client.submit(job)
+            if pull.fragment in self.blocking:
+                self._wait_for_merge(job)
             return
+
+    def _wait_for_merge(self, job: PushJob) -> None:
+        """Mix2 (SPEC §2.6): block this step until the round of a blocking fragment is merged and
+        installed (or the final cut is here, or `blocking_timeout_s` passed: then train on)."""
+        f = job.pull.fragment
+        started = time.monotonic()
+        deadline = started + self.settings.blocking_timeout_s
+        while self.fragments[f].version <= job.base_version and not self._final_ready():
+            if time.monotonic() > deadline or self.client.refused is not None:
+                log.warning("learner %d: blocking fragment %d not merged within %.0f s; training on",
+                            self.settings.learner_id, f, self.settings.blocking_timeout_s)
+                break
+            self.store.tick()
+            self._drain(timeout=0.05)
+            self._install_bcasts()
+        self.stats.blocked_s += time.monotonic() - started

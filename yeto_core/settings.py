@@ -84,12 +84,25 @@ class LearnerSettings(BaseSettings):
                                   description="multi-rank islands: MiB of a fragment moved between ranks at a time")
     collective_timeout_s: float = Field(default=300.0, gt=0,
                                         description="multi-rank islands: deadline of one wait on the other ranks")
+    overlap: bool = Field(default=False, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
+                                                      "instead of blending with merge_alpha")
+    blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
+                                                  "'embedding', 'head', 'layers:N' (the first N layers) or indices")
+    blocking_timeout_s: float = Field(default=120.0, gt=0, description="longest wait for a blocking fragment")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
     consensus_every: int = Field(default=4, ge=0, description="evaluate the probe batch after every N installs of "
                                  "merged fragments and report it to the syncer (0: no consensus signal)")
     consensus_top_k: int = Field(default=64, ge=1, le=1024,
                                  description="probabilities per probe token reported: the top k (the rest as one tail)")
     consensus_tokens: int = Field(default=64, ge=1, le=512, description="tokens in the fixed probe batch")
+
+    @field_validator("blocking")
+    @classmethod
+    def _blocking(cls, v: str) -> str:
+        from yeto_core.blocking import parse_blocking
+
+        parse_blocking(v)
+        return v
 
     @field_validator("syncer")
     @classmethod

@@ -171,3 +171,29 @@ def test_a_bad_setting_fails_building_the_trainer(hooked: Any, monkeypatch: pyte
     monkeypatch.setenv(autoattach.ENV, "maybe")
     with pytest.raises(SettingsError, match="YETO_DILOCO_AUTO_ATTACH='maybe'"):
         hooked()
+
+
+@pytest.mark.timeout(120)
+def test_attach_puts_yeto_before_the_loggers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What `on_log` adds must be in the logs dict before a reporting callback reads it."""
+    import torch
+
+    from yeto_plugins.hf import YetoDiLoCo, attach
+
+    for var in list(os.environ):
+        if var.startswith("YETO_"):
+            monkeypatch.delenv(var)
+    seen: list[dict[str, Any]] = []
+
+    class Logger(transformers.TrainerCallback):  # stands for a reporting integration
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            seen.append(dict(logs or {}))
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=torch.nn.Linear(2, 2), args=args, callbacks=[Logger()])
+    callback = attach(trainer, syncer="127.0.0.1:9", key="k" * 32)
+    assert isinstance(callback, YetoDiLoCo) and trainer.callback_handler.callbacks[0] is callback
+    callback.pushes, callback.installs = 3, 5  # as after a few rounds
+    callback.store = object()  # type: ignore[assignment]  # "attached to a running island"
+    trainer.callback_handler.on_log(args, trainer.state, trainer.control, {"loss": 1.0})
+    assert seen and seen[-1]["yeto_pushes"] == 3 and seen[-1]["yeto_installs"] == 5

@@ -98,6 +98,7 @@ class Challenge(Message):
 HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the control stream
 HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (SPEC §4.5)
 HELLO_CONSENSUS = 0x4  # flag: this learner takes CONSENSUS messages (SPEC §2.7)
+HELLO_OVERLAP = 0x8  # flag: this learner rebases on merged pushes (SPEC §2.5): never carry its late pushes
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,6 +354,7 @@ class Push(Message):
 
 BCAST_FULL = 0x1  # payload is the full fragment, f32
 BCAST_DELTA = 0x2  # payload is bf16(Θ − downlink anchor) (sessions with HELLO_BCAST_DELTA)
+BCAST_MERGED = 0x4  # this version merged the receiving learner's push for `round` (overlap rebasing)
 
 
 @dataclass(frozen=True, slots=True)
