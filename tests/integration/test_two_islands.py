@@ -126,3 +126,24 @@ def test_learners_finish_first_and_still_end_identical(procs: Procs, key_file: P
     m0, m1 = (model_tensors(model_dir(lp)) for lp in learners)
     assert_bit_identical(m0, ckpt, "learner 0 vs checkpoint")
     assert_bit_identical(m1, ckpt, "learner 1 vs checkpoint")
+
+
+@pytest.mark.timeout(240)
+def test_overlapping_learners_with_a_blocking_embedding_end_identical(procs: Procs, key_file: Path) -> None:
+    """Mix1 + Mix2 with real HF learners: learners rebase on merged fragments and wait at the
+    embedding's boundary; training converges and ends on the syncer's final cut."""
+    rounds = 16
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=FRAGMENTS, total_rounds=rounds)
+    learners = [start_learner(procs, syncer, key_file, i, max_steps=3000, overlap="true", blocking="embedding")
+                for i in range(2)]
+    assert wait_all(learners, timeout=180) == [0, 0], procs.tails()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    for lp in learners:
+        first, last = eval_loss(lp, "initial"), eval_loss(lp, "final")
+        assert last["loss"] < first["loss"] and last["final_cut"], lp.tail()
+    assert syncer.checkpoint is not None
+    ckpt = checkpoint_params(syncer.checkpoint)
+    for lp in learners:
+        assert_bit_identical(model_tensors(model_dir(lp)), ckpt, f"{lp.name} vs checkpoint")
+    done = commits(syncer.tape_records())
+    assert len(done) == rounds and all(sorted(r["learners"]) == [0, 1] for r in done), done
