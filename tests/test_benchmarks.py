@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(("module", "args", "last"), [
     ("benchmarks.ingest", ["--mib", "16", "--repeat", "1", "--pushes", "1"], "ratio push_ingest/raw_loopback = "),
     ("benchmarks.straggler", ["--seconds", "3"], "ratio decoupled/lock-step rounds per minute = "),
-    ("benchmarks.lora_bytes", ["--rounds", "4", "--hidden", "32", "--layers", "2"], "ratio lora/full bytes per push = "),
+    ("benchmarks.lora_bytes", ["--rounds", "4", "--hidden", "32", "--layers", "2"],
+     "ratio lora/full bytes per push = "),
     ("benchmarks.wire", ["--mib", "16", "--pushes", "1", "--learners", "2", "--rounds", "1", "--elements", "1M",
                          "--repeat", "1"], "ratio push_ingest_f32/raw_loopback = "),
 ])

@@ -90,3 +90,41 @@ def test_wrong_key_and_wrong_model_are_refused_and_the_run_goes_on(procs: Procs,
     assert syncer.checkpoint is not None
     assert load_checkpoint(syncer.checkpoint).finalized
     assert_bit_identical(model_tensors(model_dir(good)), checkpoint_params(syncer.checkpoint), "learner 0")
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_push_is_refused_and_the_committed_state_stays_finite(procs: Procs, key_file: Path) -> None:
+    """One learner's weights go NaN for a while: each of its pushes is refused with the reason,
+    the rounds commit from the other learner, and nothing non-finite reaches the syncer's state."""
+    import torch
+    from conftest import Island
+
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=1, fragments=2, total_rounds=12)
+    honest, broken = Island(syncer, key_file, 0), Island(syncer, key_file, 1)
+    honest.start()
+    broken.start()
+    try:
+        saved = {k: v.clone() for k, v in broken.model.state_dict().items()}
+        broken_now = False
+        for step in range(3000):
+            if step == 4:
+                broken_now = True
+                with torch.no_grad():
+                    next(broken.model.parameters()).fill_(float("nan"))
+            if broken_now and any(r.get("event") == "refused" for r in syncer.tape_records()):
+                broken_now = False  # refused: the island repairs itself and its pushes count again
+                broken.model.load_state_dict(saved)
+            done = [island.finished or island.train_step() for island in (honest, broken)]
+            if all(done):
+                break
+        records = syncer.tape_records()
+    finally:
+        honest.close()
+        broken.close()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    refused = [r for r in records if r.get("event") == "refused" and r.get("learner") == 1]
+    assert refused and all("NaN or Inf" in r["reason"] for r in refused), refused
+    assert "contains NaN or Inf" in syncer.proc.stderr()
+    assert syncer.checkpoint is not None
+    assert all(bool(torch.isfinite(t).all()) for t in checkpoint_params(syncer.checkpoint).values())
+    assert len(commits(records)) == 12
