@@ -5,7 +5,7 @@
 # megatron sft flags, nothing yeto needs.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PLUGIN=$(cd "$HERE/../.." && pwd)/yeto_plugins/swift_megatron/swift_plugin.py
+PLUGIN=$(cd "$HERE/../.." && pwd)/yeto_plugins/swift_megatron/plugin/swift_plugin.py
 : "${SYNCER:?set SYNCER=HOST:PORT of the syncer}"
 LEARNER_ID=${LEARNER_ID:-0}
 MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}                        # placeholder: your model

@@ -31,7 +31,7 @@ from yeto_plugins.swift_megatron.register import NAME, AnchorEntry, AutoAttached
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PLUGIN = ROOT / "yeto_plugins" / "swift_megatron" / "swift_plugin.py"
+PLUGIN = ROOT / "yeto_plugins" / "swift_megatron" / "plugin" / "swift_plugin.py"
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """`YetoMegatronCallback`: the ms-swift Megatron callback that makes `megatron sft` one DiLoCo island (SPEC §5.2).
 
-    megatron sft ... --external_plugins <yeto>/yeto_plugins/swift_megatron/swift_plugin.py --callbacks yeto_diloco
+    megatron sft ... --callbacks yeto_diloco \
+        --external_plugins <yeto>/yeto_plugins/swift_megatron/plugin/swift_plugin.py
 
 swift builds every callback as `cls(trainer)` once the model, the optimizer and a resumed
 checkpoint exist, and calls events with no arguments except `on_log(logs)` and
