@@ -82,3 +82,22 @@ def test_an_fsdp2_island_reads_and_writes_exactly_and_matches_one_process(procs:
         finals[world] = checkpoint_params(syncer.checkpoint)
     for name, value in finals[1].items():
         assert (finals[2][name] - value).abs().max() < 1e-5, f"{name}: FSDP2 island and one process differ"
+
+
+DEEPSPEED_WORKER = ROOT / "tests" / "integration" / "deepspeed_worker.py"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_deepspeed_zero_island_reads_and_writes_masters_exactly(stage: int) -> None:
+    """DeepSpeed's own engine on 2 CPU ranks (gloo): reads are the fp32 masters, writes reach both
+    the masters and the parameters the forward pass uses, and the Adam moments are kept."""
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(ROOT / "tests" / "mcore"))
+    from launch import run_ranks
+
+    # The first use on a machine JIT-builds one of DeepSpeed's CPU ops (about 30 s here).
+    ranks = run_ranks(DEEPSPEED_WORKER, 2, args=[str(stage)], timeout_s=240)
+    for r in ranks:
+        assert r.result is not None and r.result["problems"] == [], r.result
+        assert r.result["specs"] == [[16, 8], [16], [4, 16], [4]]  # whole shapes, also under ZeRO-3

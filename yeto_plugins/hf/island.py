@@ -11,6 +11,10 @@ the others follow its reads and writes over a gloo group of the island):
   cuts its own shard out of them (`distribute_tensor(..., src_data_rank=None)` slices locally,
   no communication) and blends it into the *same* parameter objects, so the optimizer's moments,
   keyed by those objects, are kept.
+* **DeepSpeed ZeRO** (stages 1–3) — the fp32 masters live in the ZeRO optimizer's partitions. A
+  read is DeepSpeed's own `safe_get_full_fp32_param` on every rank; a write sets the master with
+  `safe_set_full_fp32_param` and the low-precision parameter the forward pass uses (whole under
+  ZeRO-1/2; under ZeRO-3 through `GatheredParameters`, which re-partitions it). Moments are kept.
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" or hasattr(t, "device_mesh")
 
 
+def _zero_stage(t: torch.Tensor) -> int:
+    """3 for a ZeRO-3 partitioned parameter, 1 for one whose fp32 master a ZeRO-1/2 optimizer
+    holds, 0 otherwise."""
+    return 3 if hasattr(t, "ds_id") else 1 if hasattr(t, "_hp_mapping") else 0  # None where no part is local
+
+
+def _collective(t: torch.Tensor) -> bool:
+    """Reading the full value of `t` needs every rank."""
+    return _is_dtensor(t) or _zero_stage(t) > 0
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(t, "ds_shape", None) or t.shape)  # a ZeRO-3 parameter is empty locally
+
+
 def _alpha_bits(alpha: float) -> int:
     return int(struct.unpack("<q", struct.pack("<d", alpha))[0])
 
@@ -50,8 +69,10 @@ class ProcessGroupStore:
         self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
         self.rank, self.world = self.conductor.rank, self.conductor.world
         self.params: dict[str, torch.Tensor] = dict(named_params)
-        self.specs: list[TensorSpec] = specs_from_named_tensors(named_params, embedding_names)  # DTensor: global shape
-        self.sharded = any(_is_dtensor(p) for p in self.params.values())
+        self.specs: list[TensorSpec] = [
+            TensorSpec(s.name, _shape(self.params[s.name]), s.dtype, s.embedding)  # DTensor: global shape already
+            for s in specs_from_named_tensors(named_params, embedding_names)]
+        self.sharded = any(_collective(p) for p in self.params.values())
         self.conductor.handlers[GATHER] = self._follow_read
         self.conductor.handlers[INSTALL] = lambda plan, numel, bits: self._write(
             self.conductor.plan_of(plan), torch.empty(numel, dtype=torch.float32), _bits_alpha(bits))
@@ -71,7 +92,7 @@ class ProcessGroupStore:
         return self.conductor.plan((fragment.index, fragment.numel, fragment.slots), lambda: fragment.slots)
 
     def gather(self, fragment: Fragment) -> torch.Tensor:
-        if any(_is_dtensor(self.params[s.name]) for s in fragment.slots):
+        if any(_collective(self.params[s.name]) for s in fragment.slots):
             plan, _ = self._plan(fragment)
             self.conductor.announce(GATHER, plan)  # the all-gathers need every rank
         out = self._read(fragment.slots)
@@ -92,11 +113,34 @@ class ProcessGroupStore:
         parts = []
         with torch.no_grad():
             for slot in slots:
-                p = self.params[slot.name].detach()
-                full = p.full_tensor() if _is_dtensor(p) else p  # type: ignore[attr-defined]
+                full = self._full(self.params[slot.name])
                 if self.rank == 0:
                     parts.append(full.reshape(-1).float())
         return torch.cat(parts) if self.rank == 0 else None
+
+    @staticmethod
+    def _full(p: torch.Tensor) -> torch.Tensor:
+        """The whole value of `p` (fp32 master under ZeRO); a collective for sharded parameters."""
+        if _zero_stage(p):
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            return safe_get_full_fp32_param(p).detach()
+        return (p.full_tensor() if _is_dtensor(p) else p).detach()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _write_zero(param: torch.Tensor, glob: torch.Tensor, alpha: float) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        if alpha != 0.0:
+            glob = ProcessGroupStore._full(param).float().mul_(alpha).add_(glob, alpha=1.0 - alpha)
+        safe_set_full_fp32_param(param, glob)
+        if _zero_stage(param) == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(glob.view(param.shape))  # every rank holds glob; rank 0's is kept
+        else:
+            param.data.copy_(glob.view(param.shape))  # the low-precision copy the forward pass reads
 
     def _write(self, slots: Sequence[TensorSlot], values: torch.Tensor, alpha: float) -> None:
         dist.broadcast(values, 0, group=self.conductor.group)
@@ -104,6 +148,9 @@ class ProcessGroupStore:
             for slot in slots:
                 param = self.params[slot.name]
                 glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if _zero_stage(param):
+                    self._write_zero(param, glob, alpha)
+                    continue
                 if _is_dtensor(param):
                     from torch.distributed.tensor import distribute_tensor
 
