@@ -22,6 +22,7 @@ merged model (``output_dir``, adapters folded into the base weights) and the ada
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from importlib import metadata
@@ -249,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                         "base model with its weights")
     args = p.parse_args(argv)
     try:
-        export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype, allow_missing=args.allow_missing,
-               adapter_config=args.adapter_config)
+        # Libraries imported on the way (e.g. DeepSpeed, through accelerate, when it is installed)
+        # log to stdout; like ours, their lines belong on stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype,
+                   allow_missing=args.allow_missing, adapter_config=args.adapter_config)
     except ExportError as exc:
         log(f"error: {exc}")
         return 2
