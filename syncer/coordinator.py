@@ -205,6 +205,7 @@ class Coordinator(PushIntake):
                     self.consensus.forget(event.learner_id)
                 if link.final_sent:
                     link.acked = True  # whether it installed the cut is its own business now
+                    self._final_acked.add(event.learner_id)
                 elif not link.said_bye and self.state is not None and event.learner_id in tokens_by_learner(
                         self.state.ledger):
                     # It trained for this run and may come back (a crash, a stall, a cut link): a
