@@ -17,6 +17,7 @@ op. While rank 0 waits on the network (the initial or the final cut) it sends NO
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -108,4 +109,8 @@ class Conductor:
                 raise IslandError(f"unknown op {op} from rank 0 of the island")
 
     def close(self) -> None:
+        """Every rank calls it: a barrier first, so no rank tears the group down while another
+        is still using it (a gloo peer that vanishes mid-operation aborts the process)."""
+        with contextlib.suppress(RuntimeError):  # a peer already gone: nothing left to wait for
+            dist.barrier(group=self.group)
         dist.destroy_process_group(self.group)

@@ -87,14 +87,17 @@ def test_killed_syncer_resumes_on_the_same_port(procs: Procs, key_file: Path) ->
     final = load_checkpoint(first.checkpoint)
     assert final.finalized and final.next_round == rounds
     assert final.versions == versions == [rounds // FRAGMENTS] * FRAGMENTS
-    # Every committed round's tokens are in the ledger once: rounds the first syncer committed after
-    # its last checkpoint were redone, and only the redone commit counts.
-    by_round = {c["round"]: c for c in before if c["round"] < saved.next_round} | {c["round"]: c for c in after}
-    expected: dict[str, int] = {}
-    for c in by_round.values():
+    # Every committed round's tokens are in the ledger once: the resumed syncer starts from the
+    # checkpoint's ledger, and rounds the first syncer committed after that checkpoint were redone,
+    # and only the redone commit counts. (The tape cannot stand for the checkpoint: the checkpoint
+    # is written first, so a kill between the two leaves a checkpointed commit off the tape.)
+    expected: dict[str, int] = dict(saved.ledger)
+    for c in after:
         for lid, gen, tokens in zip(c["learners"], c["generations"], c["tokens"], strict=True):
             expected[ledger_key(lid, gen)] = expected.get(ledger_key(lid, gen), 0) + tokens
     assert final.ledger == expected
+    taped = [c for c in before if c["round"] < saved.next_round]
+    assert taped and all(c["round"] == n for n, c in enumerate(taped))  # what the tape has, in order
 
     for lp in learners:
         last = eval_loss(lp, "final")
