@@ -12,7 +12,10 @@ The last line is `ratio push_ingest_f32/raw_loopback = X`.
    (the product's path: an f32 delta is its own wire bytes, no encode copy). push_ingest = fragment
    bytes / (syncer stored the decoded, checked delta − `SyncerClient.submit`), exactly as in
    `benchmarks.ingest`; each push is paired with a raw loopback transfer of the same bytes over
-   the same number of streams (`benchmarks.loopback.RawLoopback`) taken right before it.
+   the same number of streams (`benchmarks.loopback.RawLoopback`) taken right before it. The
+   part spent on the syncer's coordinator thread (judge, check, store: the one serial resource
+   that every learner's pushes share) is printed under it; the NaN/Inf screen of f32 chunks runs
+   on the connection's reader threads as they land, inside the transfer.
 2. **BCAST fan-out.** A second syncer with `--learners N --quorum N --pipeline 1` and N
    `SyncerClient`s in this process (learner 0 uploads the INIT). Every round all N push, the
    syncer merges and commits, then broadcasts the new fragment (exact f32) to all N. fan-out =
@@ -100,6 +103,7 @@ def _push_section(args: argparse.Namespace, tmp: Path, key: bytes, key_file: Pat
             if not stored["accepted"]:
                 raise RuntimeError(f"syncer did not accept the push of round {pull.round}:\n{syncer.log_tail()}")
             s.add("push", stored["t"] - t_submit)
+            s.add("push_coordinator", stored["t"] - stored["start"])
             frag, version, rid = pull.fragment, pull.version + 1, pull.round
             learner.pump(lambda: learner.bcast_versions.get(frag) == version and bool(learner.pulls),  # noqa: B023
                          120, f"the BCAST of round {rid}")
@@ -373,6 +377,7 @@ def main() -> int:
     print(_row("push_to_commit (tape t, includes the merge)", _gbps(push_bytes, t["push_commit"])))
     print(_row("raw loopback, time", ms["raw_push"], "ms"))
     print(_row("push_ingest_f32, time", ms["push"], "ms"))
+    print(_row("  of which on the coordinator thread", ms["push_coordinator"], "ms"))
     print(f"  ratio push_ingest_f32/raw_loopback = {push_ratio:.2f} (the product's goal: >= 0.8)")
     print(f"BCAST FAN-OUT, f32 FULL, {push_bytes / MIB:.0f} MiB to each of {n} learners "
           f"({n * push_bytes / MIB:.0f} MiB in all)")

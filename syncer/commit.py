@@ -9,9 +9,11 @@ momentum. It also decodes and validates push payloads. No sockets, no clocks but
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from syncer.correction import HelocoConfig, heloco_correct
@@ -20,7 +22,7 @@ from syncer.outer import OuterOptimizer
 from syncer.rounds import Answer
 from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
-from yeto_core.wire.messages import Push
+from yeto_core.wire.messages import Message, Push
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,42 @@ def payload_problem(layout: Layout, msg: Push, payload: memoryview | None, codec
     return None
 
 
-def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec) -> torch.Tensor | str:
-    """The push's f32 delta, or why it cannot be used (a bad block header or scale, NaN, Inf)."""
+def finite_f32_part(part: memoryview) -> bool:
+    """Whether one received chunk of an f32 payload holds no NaN or ±Inf (a part whose size is not
+    whole floats passes: `payload_problem` refuses the push for its size).
+
+    One read pass: the sum of squares is finite when every value is (NaN and Inf propagate
+    through it); only a sum that overflows, or a poisoned one, pays for the element-wise check.
+    `np.vdot` runs on the calling reader thread alone: a torch reduction would start a thread
+    team per reader thread and oversubscribe the cores of a syncer with many connections.
+    """
+    if len(part) % 4 or not len(part):
+        return True
+    values = np.frombuffer(part, dtype=np.float32)
+    return bool(np.isfinite(np.vdot(values, values))) or bool(np.isfinite(values).all())
+
+
+def push_screen(msg: Message) -> Callable[[memoryview], bool] | None:
+    """The transport's screen for a syncer: f32 pushes are checked for NaN/Inf chunk by chunk as
+    they arrive, on the reader threads, so the coordinator need not read the payload again."""
+    if isinstance(msg, Push) and msg.codec == F32.wire_id:
+        return finite_f32_part
+    return None
+
+
+def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
+                 screened: bool | None = None) -> torch.Tensor | str:
+    """The push's f32 delta, or why it cannot be used (a bad block header or scale, NaN, Inf).
+
+    `screened` is the transport's verdict when `push_screen` already checked every chunk of an
+    f32 payload for finiteness (True: all finite), None when it did not.
+    """
+    if codec is F32 and screened is False:
+        return f"delta for fragment {msg.fragment} contains NaN or Inf"
     if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
         delta = torch.frombuffer(payload, dtype=torch.float32)
+        if screened:
+            return delta
     else:
         delta = torch.empty(layout.fragments[msg.fragment].numel, dtype=torch.float32)
         try:

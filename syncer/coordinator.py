@@ -218,7 +218,7 @@ class Coordinator(PushIntake):
             link = self.links.get(event.learner_id)
             if link is None or link.generation != event.generation:
                 return  # a message from a replaced connection group
-            self._on_message(link, event.msg, event.payload)
+            self._on_message(link, event.msg, event.payload, event.screened)
 
     # -- joins ---------------------------------------------------------------------------------
     def _on_joined(self, ev: Joined) -> None:
@@ -300,11 +300,12 @@ class Coordinator(PushIntake):
         self._retire(link.group)
 
     # -- messages ------------------------------------------------------------------------------
-    def _on_message(self, link: Link, msg: Message, payload: memoryview | None) -> None:
+    def _on_message(self, link: Link, msg: Message, payload: memoryview | None,
+                    screened: bool | None = None) -> None:
         if isinstance(msg, Init):
             self._on_init(link, msg, payload)
         elif isinstance(msg, Push):
-            self._on_push(link, msg, payload)
+            self._on_push(link, msg, payload, screened)
         elif isinstance(msg, Done):
             if link.learner_id not in self.finished:
                 self.finished.add(link.learner_id)

@@ -46,7 +46,7 @@ class PushIntake:
     clock: Callable[[], float]
     post: Callable[[Any], None]
 
-    def _on_push(self, link: Link, msg: Push, payload: memoryview | None) -> None:
+    def _on_push(self, link: Link, msg: Push, payload: memoryview | None, screened: bool | None = None) -> None:
         assert self.state is not None and self.layout is not None
         fault_point("before-push")
         lid = link.learner_id
@@ -69,7 +69,8 @@ class PushIntake:
         assert payload is not None
         if fate is PushFate.CARRY:
             # Waits still encoded; decoded only when it joins the fragment's next round.
-            self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation, link.codec)
+            self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation, link.codec,
+                                                                     screened)
             log.info("learner %d: push for round %d carried (%s)", lid, msg.round, problem)
             self.tape.append({"event": "carry", "learner": lid, "round": msg.round, "fragment": msg.fragment,
                               "base_version": msg.base_version, "reason": problem})
@@ -79,11 +80,11 @@ class PushIntake:
         # read loops; the answer is stored when `Decoded` comes back, if its attempt is still open.
         layout, codec, attempt_id = self.layout, link.codec, msg.attempt
         if codec is F32:
-            # Nothing to decode: the finiteness check is one read pass, cheaper here than the two
-            # thread hand-offs to the pool and back (they cost a push a quarter of its time).
+            # Nothing to decode, and the transport screened every chunk for NaN/Inf as it landed
+            # (`push_screen`): handled here, without the two thread hand-offs to the pool and back.
             done: Future[torch.Tensor | str] = Future()
             try:
-                done.set_result(decode_delta(layout, msg, payload, codec))
+                done.set_result(decode_delta(layout, msg, payload, codec, screened))
             except Exception as exc:  # reported as a refusal by `_on_decoded`, as from the pool
                 done.set_exception(exc)
             self._on_decoded(Decoded(lid, link.generation, attempt_id, msg, done))
@@ -141,7 +142,7 @@ class PushIntake:
         for lid, c in sorted(held.items()):
             if lid in attempt.answers and not attempt.answers[lid].carried:
                 continue
-            delta = decode_delta(self.layout, c.msg, c.payload, c.codec)
+            delta = decode_delta(self.layout, c.msg, c.payload, c.codec, c.screened)
             if isinstance(delta, str):
                 log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
                 continue

@@ -36,7 +36,7 @@ from yeto_core.wire.messages import (
     Message,
     Welcome,
 )
-from yeto_core.wire.transport import ConnectionGroup, Stream, tune_socket
+from yeto_core.wire.transport import ConnectionGroup, Screen, Stream, tune_socket
 
 log = logging.getLogger("yeto.syncer.server")
 
@@ -63,6 +63,7 @@ class Got:
     generation: int
     msg: Message
     payload: memoryview | None
+    screened: bool | None = None  # the screen's verdict on a bulk payload, if it screened it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +111,10 @@ class SyncerServer:
         stall_timeout_s: float = 0.0,
         schedule: str = "rr",
         generations: dict[int, int] | None = None,
+        screen: Screen | None = None,
     ) -> None:
         self._key = key
+        self._screen = screen  # checks bulk payloads chunk by chunk as they land (`commit.push_screen`)
         self._schedule = schedule
         self._stall_timeout_s = stall_timeout_s
         self._num_fragments = num_fragments
@@ -294,6 +297,9 @@ class SyncerServer:
         group = ConnectionGroup(
             p.control, data, name=f"syncer<-learner{lid}.{gen}",
             on_message=lambda msg, payload: self._post(Got(lid, gen, msg, payload)),
+            screen=self._screen,
+            on_screened=None if self._screen is None else (
+                lambda msg, payload, passed: self._post(Got(lid, gen, msg, payload, passed))),
             on_close=lambda reason: self._post(Left(lid, gen, reason)),
             max_payload=(lambda: bound) if bound else self._max_payload,
             heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,

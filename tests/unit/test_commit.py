@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from syncer.commit import decode_delta, merge_round, payload_problem
+from syncer.commit import decode_delta, finite_f32_part, merge_round, payload_problem, push_screen
 from syncer.correction import HelocoConfig
 from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
 from syncer.outer import Nesterov, make_outer_optimizer
 from syncer.rounds import Answer
 from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
-from yeto_core.wire.messages import Push
+from yeto_core.wire.messages import Init, Push
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +101,35 @@ def test_decode_refuses_a_quantized_push_with_the_wrong_block_size() -> None:
     sender.encode(torch.randn(256), memoryview(encoded))
     problem = decode_delta(layout, push(sender.wire_id, len(encoded)), memoryview(encoded), agreed)
     assert isinstance(problem, str) and "block size 64 in the payload, 128 agreed" in problem
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -float("nan")])
+def test_the_push_screen_fails_a_part_with_any_non_finite_value(bad: float) -> None:
+    for where in (0, 517, 1023):
+        values = torch.linspace(-1e3, 1e3, 1024)
+        values[where] = bad
+        assert finite_f32_part(tensor_bytes(values)) is False
+
+
+def test_the_push_screen_passes_finite_parts_whose_sum_would_overflow() -> None:
+    huge = torch.full((1024,), 3.0e38)  # finite values; their float32 sum is +Inf
+    assert finite_f32_part(tensor_bytes(huge)) is True
+    assert finite_f32_part(tensor_bytes(-huge)) is True
+    assert finite_f32_part(memoryview(b"\x00\x00\x80")) is True  # not whole floats: refused for its size instead
+
+
+def test_the_push_screen_checks_f32_pushes_only() -> None:
+    assert push_screen(push(F32.wire_id, 16)) is finite_f32_part
+    assert push_screen(push(BF16.wire_id, 8)) is None  # decoded and checked on the decode pool
+    assert push_screen(Init(0, 1, 16, F32.wire_id)) is None  # INIT is checked when it is adopted
+
+
+def test_decode_trusts_the_screens_verdict_on_f32_pushes() -> None:
+    layout = build_layout([TensorSpec("w", (4,), "float32")], 1)
+    good = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    got = decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(good.clone()), F32, screened=True)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, good)
+    problem = decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(good.clone()), F32, screened=False)
+    assert problem == "delta for fragment 0 contains NaN or Inf"
+    bad = torch.tensor([1.0, float("inf"), 0.0, 0.0])  # unscreened (e.g. a carried push from before): checked here
+    assert "NaN or Inf" in str(decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(bad), F32, screened=None))

@@ -257,7 +257,7 @@ def check_reassembler(ops: Sequence[tuple[Any, ...]], *, chunk_bytes: int = RA_C
     delivered: list[tuple[Message, bytes, bytes]] = []  # (message, payload, bytes written into its chunks)
     written: dict[int, dict[int, bytes]] = {}
 
-    def deliver(msg: Message, payload: memoryview) -> None:
+    def deliver(msg: Message, payload: memoryview, passed: bool | None) -> None:
         chunks = written.pop(msg.transfer, {})  # type: ignore[attr-defined]  # a later reuse of the id is a new transfer
         delivered.append((msg, bytes(payload), b"".join(fill for _, fill in sorted(chunks.items()))))
 
@@ -280,7 +280,7 @@ def check_reassembler(ops: Sequence[tuple[Any, ...]], *, chunk_bytes: int = RA_C
                     fill = bytes([(transfer + offset) & 0xFF]) * n
                     view[:] = fill
                     written.setdefault(transfer, {})[offset] = fill
-                    ra.chunk_done(transfer, n)
+                    ra.chunk_done(transfer, offset, view)
             except ProtocolError:
                 errors += 1
             except Unexpected:

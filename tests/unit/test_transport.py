@@ -37,6 +37,7 @@ from yeto_core.wire.transport import (
     MAX_TRANSFERS_IN_FLIGHT,
     ConnectionGroup,
     Reassembler,
+    Screen,
     SendTicket,
     Stream,
     pick_stream,
@@ -89,8 +90,10 @@ class Side:
         handler: Callable[[Message, memoryview | None], None] | None = None,
         stall_timeout_s: float = 0.0,
         schedule: str = "rr",
+        screen: Screen | None = None,
     ) -> None:
         self.inbox: queue.SimpleQueue[tuple[Message, memoryview | None]] = queue.SimpleQueue()
+        self.screened: queue.SimpleQueue[tuple[Message, bytes, bool]] = queue.SimpleQueue()
         self.closes: list[str] = []
         self.close_called = threading.Event()
         self.control = Stream(socks[0], f"{name}/ctl")
@@ -107,6 +110,8 @@ class Side:
             heartbeat_step=heartbeat_step,
             stall_timeout_s=stall_timeout_s,
             schedule=schedule,
+            screen=screen,
+            on_screened=None if screen is None else (lambda m, p, ok: self.screened.put((m, bytes(p), ok))),
         )
 
     def _on_close(self, reason: str) -> None:
@@ -504,16 +509,20 @@ def test_send_racing_close_still_completes_the_ticket(links: Links) -> None:
 class Collected:
     """A reassembler with small chunks (the tiling rule is the same at any chunk size)."""
 
-    def __init__(self, bound: int = MIB, chunk_bytes: int = 4) -> None:
+    def __init__(self, bound: int = MIB, chunk_bytes: int = 4, screen: Screen | None = None) -> None:
         self.bound = bound
         self.delivered: list[tuple[Message, bytes]] = []
-        self.r = Reassembler(lambda: self.bound, lambda m, p: self.delivered.append((m, bytes(p))), "peer",
-                             chunk_bytes=chunk_bytes)
+        self.verdicts: list[bool | None] = []
+        self.r = Reassembler(lambda: self.bound, self._deliver, "peer", chunk_bytes=chunk_bytes, screen=screen)
+
+    def _deliver(self, msg: Message, payload: memoryview, passed: bool | None) -> None:
+        self.delivered.append((msg, bytes(payload)))
+        self.verdicts.append(passed)
 
     def chunk(self, transfer: int, total: int, offset: int, data: bytes) -> None:
         target = self.r.chunk_target(transfer, total, offset, len(data))
         target[:] = data
-        self.r.chunk_done(transfer, len(data))
+        self.r.chunk_done(transfer, offset, target)
 
 
 def _push(transfer: int, nbytes: int) -> Push:
@@ -599,7 +608,94 @@ def test_reassembler_refuses_a_repeated_chunk() -> None:
 def test_reassembler_refuses_a_chunk_for_an_unknown_transfer() -> None:
     c = Collected()
     with pytest.raises(ProtocolError, match="chunk for unknown transfer 5"):
-        c.r.chunk_done(5, 4)
+        c.r.chunk_done(5, 0, memoryview(b"abcd"))
+
+
+class Checks:
+    """A screen that checks PUSH parts (a part passes unless it holds b"!") and records each call."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def __call__(self, msg: Message) -> Callable[[memoryview], bool] | None:
+        if not isinstance(msg, Push):
+            return None
+
+        def check(part: memoryview) -> bool:
+            self.parts.append(bytes(part))
+            return b"!" not in bytes(part)
+
+        return check
+
+
+def test_a_screen_checks_each_chunk_once_as_it_lands() -> None:
+    checks = Checks()
+    c = Collected(chunk_bytes=3, screen=checks)
+    c.r.announce(_push(1, 8))
+    c.chunk(1, 8, 3, b"def")
+    assert checks.parts == [b"def"]  # screened on arrival, before the transfer is complete
+    c.chunk(1, 8, 0, b"abc")
+    c.chunk(1, 8, 6, b"gh")
+    assert sorted(checks.parts) == [b"abc", b"def", b"gh"]
+    assert c.delivered == [(_push(1, 8), b"abcdefgh")] and c.verdicts == [True]
+
+
+def test_chunks_before_their_announcement_are_screened_at_delivery() -> None:
+    checks = Checks()
+    c = Collected(chunk_bytes=3, screen=checks)
+    c.chunk(2, 8, 6, b"gh")
+    c.chunk(2, 8, 0, b"abc")
+    assert checks.parts == []  # the screen cannot know what they are yet
+    c.r.announce(_push(2, 8))
+    assert checks.parts == []  # announced; the missing chunk is screened when it lands
+    c.chunk(2, 8, 3, b"def")
+    assert sorted(checks.parts) == [b"abc", b"def", b"gh"]  # each exactly once
+    assert c.verdicts == [True]
+
+
+def test_a_failed_chunk_fails_the_transfer_whatever_the_order() -> None:
+    for announce_first in (True, False):
+        c = Collected(chunk_bytes=3, screen=Checks())
+        if announce_first:
+            c.r.announce(_push(1, 6))
+        c.chunk(1, 6, 0, b"a!c")
+        c.chunk(1, 6, 3, b"def")
+        if not announce_first:
+            c.r.announce(_push(1, 6))
+        assert c.delivered == [(_push(1, 6), b"a!cdef")] and c.verdicts == [False]
+
+
+def test_messages_the_screen_skips_are_delivered_unscreened() -> None:
+    c = Collected(chunk_bytes=3, screen=Checks())
+    init = Init(0, 1, 6, 1)
+    c.r.announce(init)
+    c.chunk(1, 6, 0, b"a!c")
+    c.chunk(1, 6, 3, b"def")
+    assert c.verdicts == [None]
+
+
+def test_a_group_hands_screened_messages_to_on_screened(links: Links) -> None:
+    a, b = links.pair(2, b={"screen": Checks()})
+    clean, dirty = _random_bytes(9 * MIB + 5).replace(b"!", b"?"), b"x" * MIB + b"!"
+    a.group.send(_push(0, 0), clean)
+    a.group.send(_push(0, 0), dirty)
+    a.group.send(Init(0, 0, 0, 1), b"!!!!")
+    got = sorted([b.screened.get(timeout=WAIT_S), b.screened.get(timeout=WAIT_S)], key=lambda g: -len(g[1]))
+    assert [(len(p), ok) for _, p, ok in got] == [(len(clean), True), (len(dirty), False)]
+    assert got[0][1] == clean
+    msg, payload = b.get()
+    assert isinstance(msg, Init) and bytes(payload or b"") == b"!!!!"
+
+
+def test_a_screen_needs_its_handler() -> None:
+    one, two = socket.socketpair()
+    try:
+        with pytest.raises(ValueError, match="screen and on_screened come together"):
+            ConnectionGroup(Stream(one, "ctl"), [Stream(two, "d")], name="x", on_message=lambda m, p: None,
+                            on_close=lambda r: None, max_payload=lambda: 0, screen=Checks())
+    finally:
+        one.close()
+        two.close()
 
 
 def test_reassembler_checks_the_bound_before_allocating() -> None:

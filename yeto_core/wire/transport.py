@@ -7,6 +7,10 @@ streams, each sent by that stream's own sender thread so the streams really run 
 The receiver reads every chunk with `recv_into` straight into one buffer per transfer (size
 checked against `max_payload` first; taken from a pool of recycled buffers, `buffers.py`) and
 delivers the message when the announcement and every byte have arrived, in whichever order.
+An optional *screen* checks each chunk on its reader thread right after it lands, while the
+bytes are still in cache (the syncer screens f32 pushes for NaN/Inf this way); chunks that
+arrived before their announcement are screened at delivery instead, so every byte is screened
+once whatever the order.
 
 Both sides send HEARTBEAT on the control stream; a group that hears nothing for
 `peer_timeout_s` closes itself. Every failure closes the whole group once, with a reason.
@@ -190,23 +194,33 @@ class SendTicket:
         return self.done.wait(timeout) and self.error is None
 
 
+PartCheck = Callable[[memoryview], bool]
+"""A screen's verdict on one part (chunk) of a payload: True when the part passes."""
+Screen = Callable[[Message], PartCheck | None]
+"""Which check a bulk message's parts get, or None for messages that are not screened."""
+
+
 @dataclasses.dataclass
 class _Incoming:
     buffer: memoryview
     received: int = 0
     msg: Message | None = None
     chunks: set[int] = dataclasses.field(default_factory=set)  # indices of chunks already written
+    screened: set[int] = dataclasses.field(default_factory=set)  # indices of chunks already screened
+    failed: bool = False  # some screened chunk did not pass
 
 
 class Reassembler:
     """Collects announced bulk transfers and their chunks into one buffer each."""
 
-    def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview], None],
-                 peer: str, chunk_bytes: int = CHUNK_BYTES, pool: BufferPool | None = RECEIVE_POOL) -> None:
+    def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview, bool | None], None],
+                 peer: str, chunk_bytes: int = CHUNK_BYTES, pool: BufferPool | None = RECEIVE_POOL,
+                 screen: Screen | None = None) -> None:
         self.chunk_bytes = chunk_bytes
         self.pool = pool
         self.max_payload = max_payload  # evaluated per transfer: the bound can tighten once a layout is known
-        self._deliver = deliver
+        self.screen = screen
+        self._deliver = deliver  # (msg, payload, passed): passed is None when the screen skips msg
         self._peer = peer
         self._lock = threading.Lock()
         self._transfers: dict[int, _Incoming] = {}
@@ -229,11 +243,26 @@ class Reassembler:
             raise ProtocolError(f"{self._peer}: transfer {transfer} announced {announced} bytes, chunk says {total}")
         return inc
 
-    def _complete(self, transfer: int, inc: _Incoming) -> tuple[Message, memoryview] | None:
+    def _complete(self, transfer: int, inc: _Incoming) -> _Incoming | None:
         if inc.msg is not None and inc.received == len(inc.buffer):
             del self._transfers[transfer]
-            return inc.msg, inc.buffer
+            return inc
         return None
+
+    def _finish(self, inc: _Incoming) -> None:
+        """Screen the chunks that came in before their announcement, then deliver (outside the lock)."""
+        assert inc.msg is not None
+        check = self.screen(inc.msg) if self.screen is not None else None
+        passed = None
+        if check is not None:
+            size = self.chunk_bytes
+            for index in range(-(-len(inc.buffer) // size)):
+                if inc.failed:
+                    break
+                if index not in inc.screened and not check(inc.buffer[index * size : (index + 1) * size]):
+                    inc.failed = True
+            passed = not inc.failed
+        self._deliver(inc.msg, inc.buffer, passed)
 
     def announce(self, msg: Message) -> None:
         transfer, nbytes = msg.transfer, msg.nbytes  # type: ignore[attr-defined]
@@ -244,7 +273,7 @@ class Reassembler:
             inc.msg = msg
             done = self._complete(transfer, inc)
         if done:
-            self._deliver(*done)
+            self._finish(done)
 
     def chunk_target(self, transfer: int, total: int, offset: int, n: int) -> memoryview:
         # Chunks tile the transfer exactly (4 MiB each, the last one shorter), so tracking chunk
@@ -268,19 +297,31 @@ class Reassembler:
         with self._lock:
             return len(self._transfers)
 
-    def chunk_done(self, transfer: int, n: int) -> bool:
-        """Account `n` bytes of `transfer` written; True while some of its bytes are still missing."""
+    def chunk_done(self, transfer: int, offset: int, part: memoryview) -> bool:
+        """Account the chunk `part` at `offset` of `transfer` written (screening it now when its
+        announcement is already in); True while some of the transfer's bytes are still missing."""
+        passed = None
+        if self.screen is not None:
+            with self._lock:
+                inc = self._transfers.get(transfer)
+                msg = inc.msg if inc is not None else None
+            check = self.screen(msg) if msg is not None else None
+            if check is not None:
+                passed = check(part)  # on this reader thread, while the chunk is still in cache
         with self._lock:
             inc = self._transfers.get(transfer)
             if inc is None:
                 raise ProtocolError(f"{self._peer}: chunk for unknown transfer {transfer}")
-            inc.received += n
+            inc.received += len(part)
             if inc.received > len(inc.buffer):
                 raise ProtocolError(f"{self._peer}: transfer {transfer} received more bytes than announced")
+            if passed is not None:
+                inc.screened.add(offset // self.chunk_bytes)
+                inc.failed |= not passed
             missing = inc.received < len(inc.buffer)
             done = self._complete(transfer, inc)
         if done:
-            self._deliver(*done)
+            self._finish(done)
         return missing
 
 
@@ -288,7 +329,9 @@ class ConnectionGroup:
     """A live, authenticated control stream plus data streams, with reader and sender threads.
 
     `on_message(msg, payload)` is called from reader threads (payload is None for control-only
-    messages); `on_close(reason)` is called exactly once.
+    messages); `on_close(reason)` is called exactly once. With a `screen`, every bulk message it
+    returns a check for goes to `on_screened(msg, payload, passed)` instead, `passed` telling
+    whether every chunk passed that check.
     """
 
     def __init__(
@@ -305,17 +348,22 @@ class ConnectionGroup:
         heartbeat_step: Callable[[], int] = lambda: 0,
         stall_timeout_s: float = 0.0,
         schedule: str = "rr",
+        screen: Screen | None = None,
+        on_screened: Callable[[Message, memoryview, bool], None] | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"stream schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if not data:
             raise ValueError("a connection group needs at least one data stream")
+        if (screen is None) != (on_screened is None):
+            raise ValueError("a payload screen and on_screened come together")
         self.name = name
         self.control = control
         self.data = data
         self._on_message = on_message
         self._on_close = on_close
-        self._reassembler = Reassembler(max_payload, self._deliver_bulk, name)
+        self._on_screened = on_screened
+        self._reassembler = Reassembler(max_payload, self._deliver_bulk, name, screen=screen)
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
         self._heartbeat_step = heartbeat_step
@@ -553,9 +601,10 @@ class ConnectionGroup:
                 stream.read_into(view[HEADER.size :])
                 transfer, total, offset = CHUNK_HEADER.unpack(view[HEADER.size :])
                 n = length - CHUNK_HEADER.size
-                stream.read_into(self._reassembler.chunk_target(transfer, total, offset, n))
+                part = self._reassembler.chunk_target(transfer, total, offset, n)
+                stream.read_into(part)
                 self._last_heard = time.monotonic()
-                if self._reassembler.chunk_done(transfer, n):
+                if self._reassembler.chunk_done(transfer, offset, part):
                     fault_point("mid-stripe")  # part of a multi-chunk transfer is in, the rest is not
         except ProtocolError as exc:
             self._refuse(str(exc))
@@ -572,5 +621,9 @@ class ConnectionGroup:
                 self.control.send_frame(Error(ErrorCode.PROTOCOL, reason))
         self.close(f"protocol error: {reason}")
 
-    def _deliver_bulk(self, msg: Message, payload: memoryview) -> None:
-        self._on_message(msg, payload)
+    def _deliver_bulk(self, msg: Message, payload: memoryview, passed: bool | None) -> None:
+        if passed is None:
+            self._on_message(msg, payload)
+        else:
+            assert self._on_screened is not None  # a screen comes with its handler
+            self._on_screened(msg, payload, passed)

@@ -1,0 +1,80 @@
+"""A push holding NaN or Inf, from a peer that holds the key and the model, is refused as it lands:
+one ERROR naming the reason, nothing of it merged, and the run goes on (SPEC §3.5, §6)."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Island, Procs, checkpoint_params, join_raw, start_syncer, syncer_exit_code, wait_until
+
+from yeto_core.codecs import F32, tensor_bytes
+from yeto_core.wire.errors import ErrorCode
+from yeto_core.wire.messages import Error, Message, Pull, Push
+from yeto_core.wire.transport import ConnectionGroup
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 40
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_non_finite_push_is_refused_and_never_reaches_the_model(procs: Procs, key_file: Path, bad: float) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=1, fragments=2, total_rounds=ROUNDS)
+    key = key_file.read_bytes().strip()
+    island = Island(syncer, key_file)
+    inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    group = None
+    try:
+        island.start()
+        island.train_until(lambda: len(syncer.commits()) >= 2, 60, "2 committed rounds")
+
+        peer = join_raw(syncer.port, key, 1, island.fingerprint, data_streams=2)
+        group = ConnectionGroup(peer.control, peer.data, name="nan-peer", on_message=lambda m, p: inbox.put(m),
+                                on_close=lambda reason: None, max_payload=lambda: 1 << 30)
+        group.start()
+        seen: list[Message] = []
+
+        def heard(kind: type[Message]) -> bool:
+            while not inbox.empty():
+                seen.append(inbox.get())
+            return any(isinstance(m, kind) for m in seen)
+
+        island.train_until(lambda: heard(Pull), 60, "a PULL for the hand-driven learner")
+        pull = next(m for m in seen if isinstance(m, Pull))
+        assert island.session.layout is not None
+        delta = torch.zeros(island.session.layout.fragments[pull.fragment].numel)
+        delta[-1] = bad  # in the last bytes: every part before it passes
+        group.send(Push(pull.round, pull.attempt, pull.fragment, pull.version, tokens=16, steps=1, step_us=0,
+                        transfer=0, nbytes=0, codec=F32.wire_id), tensor_bytes(delta))
+        wait_until(lambda: heard(Error), 30, "the syncer's answer to the poisoned push")
+        refusal = next(m for m in seen if isinstance(m, Error))
+        assert refusal.code is ErrorCode.REFUSED, refusal
+        assert refusal.reason == f"delta for fragment {pull.fragment} contains NaN or Inf", refusal
+        group.close("test: done")
+        group.join(10)
+        group = None
+
+        island.train_until(lambda: False, 120, "the final cut")
+        assert island.finished and island.session.stats.final_installed
+    finally:
+        if group is not None:
+            group.close("test: cleanup")
+            group.join(10)
+        island.close()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+
+    records = syncer.tape_records()
+    refused = [r for r in records if r["event"] == "refused" and r["learner"] == 1]
+    assert [r["round"] for r in refused] == [pull.round]
+    done = [r for r in records if r["event"] == "commit"]
+    assert [r["round"] for r in done] == list(range(ROUNDS))
+    assert all(r["learners"] == [0] for r in done), "the poisoned push was merged"
+    assert syncer.checkpoint is not None
+    ckpt = checkpoint_params(syncer.checkpoint)
+    for name, param in island.model.named_parameters():
+        assert torch.isfinite(ckpt[name]).all(), name
+        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the final checkpoint"
