@@ -41,7 +41,7 @@ from yeto_core.consensus_report import ConsensusReporter, Probe, metrics
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult, measure_link
 from yeto_core.settings import LearnerSettings
-from yeto_core.store import LocalStore, TensorStore, check_fragment_values
+from yeto_core.store import LocalStore, TensorStore, check_fragment_values, nonfinite_tensor
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import BCAST_MERGED, Bcast, Bye, Consensus, Final, Pull
 
@@ -63,6 +63,7 @@ class LearnerStats:
     pushes: int = 0
     push_failures: int = 0
     replays: int = 0  # pushes sent again, unchanged, when the syncer re-pulled their round
+    nonfinite_deltas: int = 0  # pulls not answered: θ − anchor held NaN or Inf
     installs: int = 0
     rebases: int = 0  # overlap installs that dropped a merged push from θ (Mix1)
     blocked_s: float = 0.0  # time steps waited for blocking fragments (Mix2)
@@ -450,8 +451,10 @@ class LearnerSession:
             if state.version < pull.version or steps == 0 or state.anchor is None:
                 continue  # its BCAST is not installed yet, or nothing trained since
             delta = self._gather(pull.fragment).sub_(state.anchor)
-            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, self._step_s, delta)
             del self._pulls[pull.fragment]
+            if not self._finite(pull, delta):
+                continue
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, self._step_s, delta)
             self._push = self._unconfirmed[pull.fragment] = job
             self._pushed_on[pull.fragment] = self._links
             self._pushed_at[pull.fragment] = (self.stats.tokens, self.stats.steps)
@@ -459,6 +462,22 @@ class LearnerSession:
             if pull.fragment in self.blocking:
                 self._wait_for_merge(job)
             return
+
+    def _finite(self, pull: Pull, delta: torch.Tensor) -> bool:
+        """A delta holding NaN or Inf is not sent: the syncer would refuse it after it crossed
+        the link, and re-pulls would send it again. The round goes on without this learner; the
+        fragment's next broadcast replaces the diverged values (with merge_alpha 0)."""
+        assert self.layout is not None
+        name = nonfinite_tensor(self.layout.fragments[pull.fragment], delta)
+        if name is None:
+            return True
+        self.stats.nonfinite_deltas += 1
+        message = (f"yeto learner {self.settings.learner_id}: the delta of fragment {pull.fragment} holds NaN or Inf "
+                   f"(first in {name!r}); round {pull.round} is not answered: this island's training diverged")
+        if self.stats.nonfinite_deltas == 1:  # once on stderr; every time in the log
+            print(message, file=sys.stderr)
+        log.error("%s", message)
+        return False
 
     def _wait_for_merge(self, job: PushJob) -> None:
         """Mix2 (SPEC §2.6): block this step until the round of a blocking fragment is merged and

@@ -9,6 +9,7 @@ island's rank 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -16,7 +17,7 @@ import torch
 
 from yeto_core.layout import Fragment, TensorSpec, specs_from_named_tensors
 
-__all__ = ["LocalStore", "TensorStore", "check_fragment_values"]
+__all__ = ["LocalStore", "TensorStore", "check_fragment_values", "nonfinite_tensor"]
 
 
 class TensorStore(Protocol):
@@ -44,6 +45,18 @@ def check_fragment_values(fragment: Fragment, values: torch.Tensor) -> None:
     if values.dtype != torch.float32 or values.dim() != 1 or values.numel() != fragment.numel:
         raise ValueError(f"fragment {fragment.index}: got {values.dtype} values of shape {tuple(values.shape)}, "
                          f"expected {fragment.numel} float32 values")
+
+
+def nonfinite_tensor(fragment: Fragment, values: torch.Tensor) -> str | None:
+    """The name of the first tensor of `fragment` whose slice of `values` holds NaN or ±Inf, or
+    None when all are finite. One read pass when they are: a finite sum proves it (NaN and Inf
+    propagate); only a poisoned or overflowing sum looks tensor by tensor."""
+    if math.isfinite(values.sum().item()):
+        return None
+    for slot in fragment.slots:
+        if not bool(torch.isfinite(values[slot.offset : slot.offset + slot.numel]).all()):
+            return slot.name
+    return None
 
 
 class LocalStore:
