@@ -17,7 +17,7 @@ import torch
 
 from yeto_core.layout import Fragment, TensorSpec, specs_from_named_tensors
 
-__all__ = ["LocalStore", "TensorStore", "check_fragment_values", "nonfinite_tensor"]
+__all__ = ["LocalStore", "TensorStore", "blend_into", "check_fragment_values", "nonfinite_tensor"]
 
 
 class TensorStore(Protocol):
@@ -59,6 +59,17 @@ def nonfinite_tensor(fragment: Fragment, values: torch.Tensor) -> str | None:
     return None
 
 
+def blend_into(param: torch.Tensor, glob: torch.Tensor, alpha: float) -> None:
+    """param ← α·param + (1 − α)·glob, in place (the parameter object and its optimizer state
+    stay); α = 0 copies. A lower-precision parameter is blended in f32 and rounded once."""
+    if alpha == 0.0:
+        param.copy_(glob)
+    elif param.dtype == torch.float32:
+        param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
+    else:
+        param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
+
+
 class LocalStore:
     """Every synced tensor lives in this process: reads concatenate, writes copy in place."""
 
@@ -75,13 +86,7 @@ class LocalStore:
         with torch.no_grad():
             for slot in fragment.slots:
                 param = self.params[slot.name]
-                glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                if alpha == 0.0:
-                    param.copy_(glob)
-                elif param.dtype == torch.float32:
-                    param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
-                else:  # blend in f32, then round once into the lower-precision parameter
-                    param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
+                blend_into(param, values[slot.offset : slot.offset + slot.numel].view(slot.shape), alpha)
 
     def tick(self) -> None:
         pass

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from yeto_core.conductor import FIRST_STORE_OP, Conductor
 from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
-from yeto_core.store import check_fragment_values
+from yeto_core.store import blend_into, check_fragment_values
 
 GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
 T = TypeVar("T")
@@ -157,9 +157,4 @@ class ProcessGroupStore:
                     glob = distribute_tensor(glob.to(param.dtype if alpha == 0.0 else torch.float32),
                                              param.device_mesh, param.placements,  # type: ignore[attr-defined]
                                              src_data_rank=None)
-                if alpha == 0.0:
-                    param.copy_(glob)
-                elif param.dtype == torch.float32:
-                    param.mul_(alpha).add_(glob, alpha=1.0 - alpha)
-                else:  # blend in f32, then round once into the lower-precision parameter
-                    param.copy_(param.float().mul_(alpha).add_(glob, alpha=1.0 - alpha))
+                blend_into(param, glob, alpha)
