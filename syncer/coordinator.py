@@ -4,15 +4,14 @@ Reader threads post `Joined`/`Got`/`Left` events; this thread handles them one a
 the pure functions in `rounds.py` what to do, runs the pure merge math in `merge.py`, and then,
 strictly in round order, commits: Nesterov outer step, fragment version, token ledger, event
 tape, checkpoint (durable before the broadcast that announces it), BCAST to every learner, and
-one log line.
+one log line. Three parts of it live in mixins of their own: taking pushes in (`intake.py`),
+what it sends the learners (`outbox.py`) and the end of a run (`finale.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
-import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +24,11 @@ from syncer.checkpoint import CheckpointError, SyncerState, ledger_key, tokens_b
 from syncer.commit import merge_round
 from syncer.consensus import ConsensusBoard
 from syncer.correction import HelocoConfig
+from syncer.finale import Finale
 from syncer.intake import PushIntake
 from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id, scheduler_config
 from syncer.merge import Segment, check_finite
+from syncer.outbox import Outbox
 from syncer.outer import ACCUM_KEY, COUNT_KEY, make_outer_optimizer
 from syncer.rounds import (
     Attempt,
@@ -43,24 +44,20 @@ from syncer.rounds import (
 from syncer.server import Got, Joined, Left, layout_mismatch
 from syncer.snapshots import CheckpointWriter
 from syncer.tape import EventTape
-from yeto_core.codecs import F32, codec_by_id, tensor_bytes
+from yeto_core.codecs import F32, codec_by_id
 from yeto_core.downlink import DownlinkEncoder
-from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
+from yeto_core.faults import fault_point
 from yeto_core.layout import Layout, build_layout
 from yeto_core.quant import DEFAULT_BLOCK
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import (
-    BCAST_FULL,
-    BCAST_MERGED,
     HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
     HELLO_OVERLAP,
-    Bcast,
     Bye,
     Done,
     Error,
-    Final,
     Init,
     Message,
     ProbeReport,
@@ -72,7 +69,6 @@ from yeto_core.wire.transport import ConnectionGroup
 log = logging.getLogger("yeto.syncer")
 
 
-PROGRESS_BAR_BYTES = 256 << 20
 EMA = 0.3  # weight of the newest sample in the ξ estimates
 
 
@@ -85,7 +81,7 @@ def lazy_zeros(numel: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-class Coordinator(PushIntake):
+class Coordinator(PushIntake, Outbox, Finale):
     def __init__(
         self,
         settings: SyncerSettings,
@@ -203,14 +199,7 @@ class Coordinator(PushIntake):
                 self._retire(link.group)
                 if self.consensus is not None:
                     self.consensus.forget(event.learner_id)
-                if link.final_sent:
-                    link.acked = True  # whether it installed the cut is its own business now
-                    self._final_acked.add(event.learner_id)
-                elif not link.said_bye and self.state is not None and event.learner_id in tokens_by_learner(
-                        self.state.ledger):
-                    # It trained for this run and may come back (a crash, a stall, a cut link): a
-                    # finalizing syncer waits for it, until the deadline, so it still gets the cut.
-                    self._final_expected.add(event.learner_id)
+                self._note_departure(link)
                 log.info("learner %d left (%s)", event.learner_id, event.reason)
         elif isinstance(event, Decoded):
             self._on_decoded(event)
@@ -394,11 +383,7 @@ class Coordinator(PushIntake):
                 self.phase = Phase.DONE
             return
         if self.phase is Phase.FINALIZING:
-            waiting = sorted({lid for lid, link in self.links.items() if not link.acked}
-                             | (self._final_expected - self._final_acked))
-            if not waiting or now > self._final_deadline:
-                if waiting:
-                    log.warning("learners %s did not confirm the final cut in time", waiting)
+            if self._final_wait_over(now):
                 self.phase = Phase.DONE
             return
         if self.phase is not Phase.RUNNING:
@@ -521,110 +506,3 @@ class Coordinator(PushIntake):
                  f" (carried {record['carried']})" if record["carried"] else "",
                  [f"{w:.2f}" for w in weights], grad_norm, merge_ms, reason,
                  self.consensus.log_suffix() if self.consensus is not None else "")
-
-    # -- state out -----------------------------------------------------------------------------
-    def _fragment_bytes(self, index: int) -> memoryview:
-        """An immutable snapshot of one fragment, shared by every learner's sender threads."""
-        assert self.state is not None
-        return tensor_bytes(self.state.params[index].detach().to("cpu", copy=True))
-
-    def _broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
-        """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
-        flagged MERGED for the learners whose push it merged (they rebase on it, SPEC §2.5)."""
-        assert self.state is not None and self.layout is not None
-        version = self.state.versions[f]
-        links = list(self.links.values())
-        if any(link.bcast_delta for link in links):
-            total = self.settings.total_rounds
-            last = bool(total) and round_id + self.layout.num_fragments >= total  # the fragment's last version
-            b = self.downlink.commit(f, version, self.state.params[f], last=last)
-            delta_msg = Bcast(f, version, round_id, b.flags, 0, 0, b.codec, b.digest)
-        else:
-            self.downlink.anchors[f] = None  # nobody follows the chain: restart it with a FULL later
-        exact: memoryview | None = None
-        if len(links) < 2:
-            fault_point("mid-bcast")
-        for n, link in enumerate(links):
-            mine = BCAST_MERGED if link.learner_id in merged else 0
-            if link.bcast_delta:
-                ticket = link.group.send(dataclasses.replace(delta_msg, flags=delta_msg.flags | mine), b.payload)
-            else:
-                exact = self._fragment_bytes(f) if exact is None else exact
-                ticket = link.group.send(Bcast(f, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id), exact)
-            if n == 0 and len(links) > 1 and armed("mid-bcast"):
-                ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
-                fault_point("mid-bcast")
-
-    def _send_consensus(self, round_id: int) -> None:
-        """The consensus figures after a commit, to every learner that takes them."""
-        if self.consensus is None:
-            return
-        msg = self.consensus.message(round_id)
-        for link in list(self.links.values()):
-            if link.consensus:
-                link.group.send(msg)
-
-    def _send_full_state(self, link: Link) -> None:
-        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor)."""
-        assert self.state is not None
-        for i in range(self.state.num_fragments):
-            version = self.state.versions[i]
-            if link.bcast_delta:
-                held = self.downlink.anchors[i] is not None
-                b = self.downlink.full(i) if held else self.downlink.commit(i, version, self.state.params[i])
-                link.group.send(Bcast(i, version, self.state.next_round, b.flags, 0, 0, b.codec, b.digest), b.payload)
-            else:
-                msg = Bcast(i, version, self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
-                link.group.send(msg, self._fragment_bytes(i))
-
-    def _send_final(self, link: Link, *, wait_s: float = 0.0) -> None:
-        assert self.state is not None
-        p = self.state.num_fragments
-        for i in range(p):
-            msg = Final(i, self.state.versions[i], p, self.state.next_round, 0, 0, F32.wire_id)
-            ticket = link.group.send(msg, self._fragment_bytes(i))
-            if wait_s:
-                ticket.wait(wait_s)
-        link.final_sent = True
-
-    def _begin_finalizing(self, reason: str, *, save: bool = True) -> None:
-        assert self.state is not None
-        for a in [*self.attempts.values(), *(entry[0] for entry in self.ready.values())]:
-            self.tape.append({"event": "abandon", "round": a.round, "attempt": a.attempt, "reason": "finalizing"})
-        self.attempts.clear()
-        self.ready.clear()
-        self.parked.clear()
-        self.state.finalized = True
-        if save:
-            self._save_checkpoint(wait=True)  # durable before any FINAL goes out
-            self.tape.append({"event": "final", "rounds": self.state.next_round, "versions": self.state.versions,
-                              "reason": reason, "ledger": dict(self.state.ledger)})
-        log.info("finalizing after %d rounds: %s; sending the final cut to %d learners", self.state.next_round,
-                 reason, len(self.links))
-        self.phase = Phase.FINALIZING
-        self._final_deadline = self.clock() + self.settings.final_timeout_s
-        links = list(self.links.values())
-        if len(links) < 2:
-            fault_point("mid-final")
-        for n, link in enumerate(links):
-            some = n == 0 and len(links) > 1
-            self._send_final(link, wait_s=FAULT_SEND_WAIT_S if some and armed("mid-final") else 0.0)
-            if some:
-                fault_point("mid-final")
-
-    def _show_progress(self) -> bool:
-        # A bar only where someone watches, or where the write takes long enough to wonder about.
-        assert self.state is not None
-        return sum(t.numel() for t in self.state.params) * 8 > PROGRESS_BAR_BYTES or sys.stderr.isatty()
-
-    def _save_checkpoint(self, *, wait: bool = False) -> float | None:
-        """Checkpoint the committed state; returns how long the coordinator was held (ms).
-        A failed background write is logged and taped; the previous file stays valid."""
-        if self.writer is None or self.state is None:
-            return None
-        try:
-            return self.writer.save(self.state, wait=wait)
-        except CheckpointError as exc:
-            log.error("%s", exc)
-            self.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
-            return None

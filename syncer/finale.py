@@ -1,0 +1,104 @@
+"""The end of a run (SPEC §3.7): abandon the open rounds, make the final state durable, send the
+final cut to every learner, and wait, until `--final-timeout-s`, for the learners that should get
+it: those connected, and those that trained and lost their link without saying goodbye. Also the
+checkpoint writes the coordinator asks for. This mixin holds only those steps; the state it
+reads and writes belongs to the `Coordinator` that inherits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from syncer.checkpoint import CheckpointError, tokens_by_learner
+from syncer.links import Link, Phase
+from syncer.rounds import Attempt
+from syncer.snapshots import CheckpointWriter
+from syncer.tape import EventTape
+from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
+from yeto_core.settings import SyncerSettings
+
+log = logging.getLogger("yeto.syncer")
+
+PROGRESS_BAR_BYTES = 256 << 20
+
+
+class Finale:
+    # Provided by the Coordinator (and its Outbox).
+    settings: SyncerSettings
+    state: Any
+    links: dict[int, Link]
+    attempts: dict[int, Attempt]
+    ready: dict[int, Any]
+    parked: set[int]
+    tape: EventTape
+    writer: CheckpointWriter | None
+    phase: Phase
+    clock: Callable[[], float]
+    _final_deadline: float
+    _final_expected: set[int]
+    _final_acked: set[int]
+    _send_final: Callable[..., None]
+
+    def _note_departure(self, link: Link) -> None:
+        """A learner's connection ended: whom a finalizing syncer still waits for."""
+        if link.final_sent:
+            link.acked = True  # whether it installed the cut is its own business now
+            self._final_acked.add(link.learner_id)
+        elif not link.said_bye and self.state is not None and link.learner_id in tokens_by_learner(self.state.ledger):
+            # It trained for this run and may come back (a crash, a stall, a cut link): a
+            # finalizing syncer waits for it, until the deadline, so it still gets the cut.
+            self._final_expected.add(link.learner_id)
+
+    def _final_wait_over(self, now: float) -> bool:
+        waiting = sorted({lid for lid, link in self.links.items() if not link.acked}
+                         | (self._final_expected - self._final_acked))
+        if waiting and now <= self._final_deadline:
+            return False
+        if waiting:
+            log.warning("learners %s did not confirm the final cut in time", waiting)
+        return True
+
+    def _begin_finalizing(self, reason: str, *, save: bool = True) -> None:
+        assert self.state is not None
+        for a in [*self.attempts.values(), *(entry[0] for entry in self.ready.values())]:
+            self.tape.append({"event": "abandon", "round": a.round, "attempt": a.attempt, "reason": "finalizing"})
+        self.attempts.clear()
+        self.ready.clear()
+        self.parked.clear()
+        self.state.finalized = True
+        if save:
+            self._save_checkpoint(wait=True)  # durable before any FINAL goes out
+            self.tape.append({"event": "final", "rounds": self.state.next_round, "versions": self.state.versions,
+                              "reason": reason, "ledger": dict(self.state.ledger)})
+        log.info("finalizing after %d rounds: %s; sending the final cut to %d learners", self.state.next_round,
+                 reason, len(self.links))
+        self.phase = Phase.FINALIZING
+        self._final_deadline = self.clock() + self.settings.final_timeout_s
+        links = list(self.links.values())
+        if len(links) < 2:
+            fault_point("mid-final")
+        for n, link in enumerate(links):
+            some = n == 0 and len(links) > 1
+            self._send_final(link, wait_s=FAULT_SEND_WAIT_S if some and armed("mid-final") else 0.0)
+            if some:
+                fault_point("mid-final")
+
+    def _show_progress(self) -> bool:
+        # A bar only where someone watches, or where the write takes long enough to wonder about.
+        assert self.state is not None
+        return sum(t.numel() for t in self.state.params) * 8 > PROGRESS_BAR_BYTES or sys.stderr.isatty()
+
+    def _save_checkpoint(self, *, wait: bool = False) -> float | None:
+        """Checkpoint the committed state; returns how long the coordinator was held (ms).
+        A failed background write is logged and taped; the previous file stays valid."""
+        if self.writer is None or self.state is None:
+            return None
+        try:
+            return self.writer.save(self.state, wait=wait)
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            self.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
+            return None

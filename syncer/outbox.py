@@ -1,0 +1,93 @@
+"""What the syncer sends its learners (SPEC §3.6, §4.5): each committed fragment's new version
+(exact f32, or a bf16 downlink delta), the full state on join and reconnect, the consensus
+figures, and the final cut. This mixin holds only those sends; the state it reads belongs to
+the `Coordinator` that inherits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from syncer.consensus import ConsensusBoard
+from syncer.links import Link
+from yeto_core.codecs import F32, tensor_bytes
+from yeto_core.downlink import DownlinkEncoder
+from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
+from yeto_core.layout import Layout
+from yeto_core.settings import SyncerSettings
+from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Final
+
+
+class Outbox:
+    # Provided by the Coordinator.
+    settings: SyncerSettings
+    layout: Layout | None
+    state: Any
+    links: dict[int, Link]
+    downlink: DownlinkEncoder
+    consensus: ConsensusBoard | None
+
+    def _fragment_bytes(self, index: int) -> memoryview:
+        """An immutable snapshot of one fragment, shared by every learner's sender threads."""
+        assert self.state is not None
+        return tensor_bytes(self.state.params[index].detach().to("cpu", copy=True))
+
+    def _broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
+        """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
+        flagged MERGED for the learners whose push it merged (they rebase on it, SPEC §2.5)."""
+        assert self.state is not None and self.layout is not None
+        version = self.state.versions[f]
+        links = list(self.links.values())
+        if any(link.bcast_delta for link in links):
+            total = self.settings.total_rounds
+            last = bool(total) and round_id + self.layout.num_fragments >= total  # the fragment's last version
+            b = self.downlink.commit(f, version, self.state.params[f], last=last)
+            delta_msg = Bcast(f, version, round_id, b.flags, 0, 0, b.codec, b.digest)
+        else:
+            self.downlink.anchors[f] = None  # nobody follows the chain: restart it with a FULL later
+        exact: memoryview | None = None
+        if len(links) < 2:
+            fault_point("mid-bcast")
+        for n, link in enumerate(links):
+            mine = BCAST_MERGED if link.learner_id in merged else 0
+            if link.bcast_delta:
+                ticket = link.group.send(dataclasses.replace(delta_msg, flags=delta_msg.flags | mine), b.payload)
+            else:
+                exact = self._fragment_bytes(f) if exact is None else exact
+                ticket = link.group.send(Bcast(f, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id), exact)
+            if n == 0 and len(links) > 1 and armed("mid-bcast"):
+                ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
+                fault_point("mid-bcast")
+
+    def _send_consensus(self, round_id: int) -> None:
+        """The consensus figures after a commit, to every learner that takes them."""
+        if self.consensus is None:
+            return
+        msg = self.consensus.message(round_id)
+        for link in list(self.links.values()):
+            if link.consensus:
+                link.group.send(msg)
+
+    def _send_full_state(self, link: Link) -> None:
+        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor)."""
+        assert self.state is not None
+        for i in range(self.state.num_fragments):
+            version = self.state.versions[i]
+            if link.bcast_delta:
+                held = self.downlink.anchors[i] is not None
+                b = self.downlink.full(i) if held else self.downlink.commit(i, version, self.state.params[i])
+                link.group.send(Bcast(i, version, self.state.next_round, b.flags, 0, 0, b.codec, b.digest), b.payload)
+            else:
+                msg = Bcast(i, version, self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
+                link.group.send(msg, self._fragment_bytes(i))
+
+    def _send_final(self, link: Link, *, wait_s: float = 0.0) -> None:
+        assert self.state is not None
+        p = self.state.num_fragments
+        for i in range(p):
+            msg = Final(i, self.state.versions[i], p, self.state.next_round, 0, 0, F32.wire_id)
+            ticket = link.group.send(msg, self._fragment_bytes(i))
+            if wait_s:
+                ticket.wait(wait_s)
+        link.final_sent = True
