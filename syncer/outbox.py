@@ -9,14 +9,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from syncer.consensus import ConsensusBoard
 from syncer.links import Link
-from yeto_core.codecs import F32, tensor_bytes
+from yeto_core.codecs import F32
 from yeto_core.downlink import DownlinkEncoder
 from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
 from yeto_core.layout import Layout
 from yeto_core.settings import SyncerSettings
+from yeto_core.wire.buffers import BufferPool
 from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Final
+
+SNAPSHOT_POOL = BufferPool()  # the fragments' send snapshots, recycled once every send is done
 
 
 class Outbox:
@@ -29,9 +34,19 @@ class Outbox:
     consensus: ConsensusBoard | None
 
     def _fragment_bytes(self, index: int) -> memoryview:
-        """An immutable snapshot of one fragment, shared by every learner's sender threads."""
+        """An immutable snapshot of one fragment, shared by every learner's sender threads.
+
+        Taken into a recycled buffer: a fresh 64 MiB one faults in every page during the copy
+        (20–25 ms against 4 ms into a warm one, here), on the commit's path to every learner.
+        The buffer goes back to the pool only once every send holding a slice of it is done.
+        """
         assert self.state is not None
-        return tensor_bytes(self.state.params[index].detach().to("cpu", copy=True))
+        params = self.state.params[index].detach()
+        if params.numel() == 0:
+            return memoryview(b"")
+        snapshot = SNAPSHOT_POOL.take(params.numel() * 4)
+        torch.frombuffer(snapshot, dtype=torch.float32).copy_(params.reshape(-1))
+        return snapshot
 
     def _broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
         """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
