@@ -112,6 +112,21 @@ def mode_exact(rank: int, world: int) -> None:
     if len(after) != len(moments) or not all(torch.equal(a, b) for a, b in zip(after, moments, strict=True)):
         problems.append("optimizer moments changed")
     train_step(model, target, opt, 3, rank, world)  # still trains with the installed shards
+
+    # The consensus probe: rank 0 leads, every rank runs the forward pass (FSDP2 all-gathers in it).
+    probe_x = torch.randn(5, 8, generator=torch.Generator().manual_seed(11))
+    lead = store.island_probe(lambda: model(probe_x))
+
+    def probe() -> bool:
+        with torch.no_grad():
+            box["probe"] = lead()
+        return False
+
+    store.run(probe if rank == 0 else None, lambda _: (0, 0, 0))
+    plain, _ = build(1)
+    plain.load_state_dict({name: full(p).float() for name, p in named})
+    if rank == 0 and not torch.allclose(box["probe"], plain(probe_x), rtol=0, atol=1e-6):
+        problems.append("the island's probe differs from the same weights in one process")
     store.close()
     report({"problems": problems, "sharded": store.sharded, "moments": len(moments)})
 

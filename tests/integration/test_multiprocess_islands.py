@@ -26,11 +26,11 @@ pytestmark = pytest.mark.integration
 
 
 def start_ddp_island(procs: Procs, syncer_address: str, key_file: Path, learner_id: int, *, ranks: int,
-                     max_steps: int) -> object:
+                     max_steps: int, **settings: object) -> object:
     out_dir = procs.workdir / f"island{learner_id}-model"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
             str(EXAMPLE), "--output-dir", str(out_dir), "--max-steps", str(max_steps), *TINY_MODEL]
-    env = learner_env(syncer_address, key_file, learner_id, collective_timeout_s=60)
+    env = learner_env(syncer_address, key_file, learner_id, collective_timeout_s=60, **settings)
     env["OMP_NUM_THREADS"] = "1"
     return procs.start(f"island{learner_id}", argv, env=env, output_dir=out_dir)
 
@@ -38,7 +38,8 @@ def start_ddp_island(procs: Procs, syncer_address: str, key_file: Path, learner_
 @pytest.mark.timeout(300)
 def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: Procs, key_file: Path) -> None:
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, total_rounds=16)
-    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000) for n in range(2)]
+    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000, consensus_every=1)
+               for n in range(2)]
     codes = wait_all(islands, 240)  # type: ignore[arg-type]
     assert codes == [0, 0], "\n".join(p.tail() for p in islands)  # type: ignore[attr-defined]
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
@@ -54,6 +55,9 @@ def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: 
         assert len({w["steps"] for w in weights}) == 1, f"island {n}: its ranks stopped at different steps"
         # Rank 0 saved the model; the ranks hold the same bits, so every rank holds the syncer's.
         assert_bit_identical(model_tensors(model_dir(island)), final, f"island {n}")  # type: ignore[arg-type]
+    # Both islands probed (every rank ran the forward pass), so the syncer compared them.
+    compared = [c for c in commits if c.get("consensus_js") is not None]
+    assert compared and all(sorted(c["consensus_learners"]) == [0, 1] for c in compared), commits
 
 
 FSDP_WORKER = ROOT / "tests" / "integration" / "fsdp_worker.py"

@@ -80,15 +80,16 @@ class YetoDiLoCo(TrainerCallback):
             args.include_num_input_tokens_seen = "non_padding"
         named = synced_parameters(model, self.settings.tuning)
         self._tokens_seen = int(state.num_input_tokens_seen)
+        probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
         if args.world_size > 1:  # DDP or FSDP2: rank 0 talks to the syncer, the others follow
             s = self.settings
             self.store = ProcessGroupStore(named, embedding_names(model), timeout_s=s.collective_timeout_s,
                                            heartbeat_s=min(5.0, s.collective_timeout_s / 4))
+            probe = self.store.island_probe(probe) if probe is not None else None
             if self.store.rank == 0:
-                self.session = LearnerSession(s, store=self.store)
+                self.session = LearnerSession(s, store=self.store, probe=probe)
             self._together(lambda session: session.start())
             return
-        probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
         self.session = LearnerSession(self.settings, named, embedding_names=embedding_names(model), probe=probe)
         self.session.start()
 

@@ -15,6 +15,9 @@ the others follow its reads and writes over a gloo group of the island):
   read is DeepSpeed's own `safe_get_full_fp32_param` on every rank; a write sets the master with
   `safe_set_full_fp32_param` and the low-precision parameter the forward pass uses (whole under
   ZeRO-1/2; under ZeRO-3 through `GatheredParameters`, which re-partitions it). Moments are kept.
+
+The consensus probe (SPEC §2.7) is an op of its own: every rank runs the same forward pass on the
+probe batch, and rank 0 reports its logits.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from yeto_core.conductor import FIRST_STORE_OP, Conductor
 from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
 from yeto_core.store import blend_into, check_fragment_values
 
-GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
+GATHER, INSTALL, PROBE = FIRST_STORE_OP, FIRST_STORE_OP + 1, FIRST_STORE_OP + 2
 T = TypeVar("T")
 
 
@@ -76,6 +79,23 @@ class ProcessGroupStore:
         self.conductor.handlers[GATHER] = self._follow_read
         self.conductor.handlers[INSTALL] = lambda plan, numel, bits: self._write(
             self.conductor.plan_of(plan), torch.empty(numel, dtype=torch.float32), _bits_alpha(bits))
+
+    def island_probe(self, probe: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """The consensus probe for rank 0's session, run by every rank together: an FSDP2 or
+        ZeRO-3 forward pass gathers parameters collectively, so rank 0 alone would hang in it.
+        Every rank calls this (the others register the follower side); rank 0 uses the result."""
+
+        def follow(_a: int, _b: int, _c: int) -> None:
+            with torch.no_grad():
+                probe()  # the same batch, the same collectives; only rank 0 reports the logits
+
+        self.conductor.handlers[PROBE] = follow
+
+        def lead() -> torch.Tensor:
+            self.conductor.announce(PROBE)
+            return probe()
+
+        return lead
 
     def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
         """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
