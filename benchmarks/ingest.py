@@ -160,14 +160,14 @@ def _probed_syncer(argv: list[str]) -> int:
 
     cut_at: list[float] = []  # when `_initial_cut` was entered (it writes the tape's `init` record)
 
-    def on_init(self: Any, link: Any, msg: Any, payload: Any) -> None:
+    def on_init(self: Any, link: Any, msg: Any, payload: Any, *rest: Any) -> None:
         if cut_at:  # a replayed INIT after the initial cut: ignored by the syncer, not counted
-            orig_on_init(self, link, msg, payload)
+            orig_on_init(self, link, msg, payload, *rest)
             return
         a0, a1 = allocs.pop(msg.transfer, (0.0, 0.0))
         init_spans["rx_alloc"] += a1 - a0
         t0 = time.time()
-        orig_on_init(self, link, msg, payload)  # the last fragment's call runs `_initial_cut` inside
+        orig_on_init(self, link, msg, payload, *rest)  # the last fragment's call runs `_initial_cut` inside
         init_spans["store"] += (cut_at[0] if cut_at else time.time()) - t0
         if cut_at:
             stamp(ev="init", round=-1, **init_spans)

@@ -13,7 +13,7 @@ from types import FrameType
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, last_generations, load_checkpoint
-from syncer.commit import push_screen
+from syncer.commit import payload_screen
 from syncer.coordinator import Coordinator
 from syncer.links import backend_id
 from syncer.server import SyncerServer
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout,
             schedule=settings.wan_stream_schedule,
             generations=last_generations(state.ledger) if state is not None else None,
-            screen=push_screen,
+            screen=payload_screen,
         )
     except OSError as exc:
         print(f"yeto syncer: cannot listen on {settings.host}:{settings.port}: {exc.strerror}", file=sys.stderr)

@@ -22,7 +22,7 @@ from syncer.outer import OuterOptimizer
 from syncer.rounds import Answer
 from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
-from yeto_core.wire.messages import Message, Push
+from yeto_core.wire.messages import Init, Message, Push
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,11 @@ def finite_f32_part(part: memoryview) -> bool:
     return bool(np.isfinite(np.vdot(values, values))) or bool(np.isfinite(values).all())
 
 
-def push_screen(msg: Message) -> Callable[[memoryview], bool] | None:
-    """The transport's screen for a syncer: f32 pushes are checked for NaN/Inf chunk by chunk as
-    they arrive, on the reader threads, so the coordinator need not read the payload again."""
-    if isinstance(msg, Push) and msg.codec == F32.wire_id:
+def payload_screen(msg: Message) -> Callable[[memoryview], bool] | None:
+    """The transport's screen for a syncer: f32 pushes and INIT fragments are checked for NaN/Inf
+    chunk by chunk as they arrive, on the reader threads, so the coordinator need not read the
+    payload again. (Quantized pushes are checked as they are decoded.)"""
+    if isinstance(msg, Push | Init) and msg.codec == F32.wire_id:
         return finite_f32_part
     return None
 
@@ -102,7 +103,7 @@ def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
                  screened: bool | None = None) -> torch.Tensor | str:
     """The push's f32 delta, or why it cannot be used (a bad block header or scale, NaN, Inf).
 
-    `screened` is the transport's verdict when `push_screen` already checked every chunk of an
+    `screened` is the transport's verdict when `payload_screen` already checked every chunk of an
     f32 payload for finiteness (True: all finite), None when it did not.
     """
     if codec is F32 and screened is False:

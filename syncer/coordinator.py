@@ -292,7 +292,7 @@ class Coordinator(PushIntake, Outbox, Finale):
     def _on_message(self, link: Link, msg: Message, payload: memoryview | None,
                     screened: bool | None = None) -> None:
         if isinstance(msg, Init):
-            self._on_init(link, msg, payload)
+            self._on_init(link, msg, payload, screened)
         elif isinstance(msg, Push):
             self._on_push(link, msg, payload, screened)
         elif isinstance(msg, Done):
@@ -324,7 +324,7 @@ class Coordinator(PushIntake, Outbox, Finale):
             log.warning("learner %d: %s", link.learner_id, problem)
             link.group.send(Error(ErrorCode.REFUSED, problem))
 
-    def _on_init(self, link: Link, msg: Init, payload: memoryview | None) -> None:
+    def _on_init(self, link: Link, msg: Init, payload: memoryview | None, screened: bool | None = None) -> None:
         if self.phase is not Phase.WAIT_INIT or self.layout is None or self.state is None:
             return  # a replayed INIT after the initial cut: ignored by design
         if link.learner_id != 0:
@@ -339,7 +339,8 @@ class Coordinator(PushIntake, Outbox, Finale):
                          f"{0 if payload is None else len(payload)} bytes, expected {numel * 4}")
             return
         values = torch.frombuffer(payload, dtype=torch.float32)
-        if check_finite(values.view(1, -1)) is not None:
+        # Screened chunk by chunk as it landed (`commit.payload_screen`); checked here otherwise.
+        if screened is False or (screened is None and check_finite(values.view(1, -1)) is not None):
             self._refuse(link, ErrorCode.REFUSED, f"INIT of fragment {msg.fragment} contains NaN or Inf")
             return
         # The reassembled buffer is this message's alone: on CPU it becomes the fragment, no copy.

@@ -81,7 +81,7 @@ class PushIntake:
         layout, codec, attempt_id = self.layout, link.codec, msg.attempt
         if codec is F32:
             # Nothing to decode, and the transport screened every chunk for NaN/Inf as it landed
-            # (`push_screen`): handled here, without the two thread hand-offs to the pool and back.
+            # (`payload_screen`): handled here, without the two thread hand-offs to the pool and back.
             done: Future[torch.Tensor | str] = Future()
             try:
                 done.set_result(decode_delta(layout, msg, payload, codec, screened))

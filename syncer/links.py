@@ -66,7 +66,7 @@ class Carried:
     payload: memoryview
     generation: int
     codec: Codec
-    screened: bool | None = None  # the transport's finiteness verdict (`commit.push_screen`)
+    screened: bool | None = None  # the transport's finiteness verdict (`commit.payload_screen`)
 
 
 def scheduler_config(s: SyncerSettings) -> SchedulerConfig:

@@ -114,7 +114,7 @@ class SyncerServer:
         screen: Screen | None = None,
     ) -> None:
         self._key = key
-        self._screen = screen  # checks bulk payloads chunk by chunk as they land (`commit.push_screen`)
+        self._screen = screen  # checks bulk payloads chunk by chunk as they land (`commit.payload_screen`)
         self._schedule = schedule
         self._stall_timeout_s = stall_timeout_s
         self._num_fragments = num_fragments

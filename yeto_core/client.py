@@ -194,6 +194,10 @@ class SyncerClient:
     def send_done(self, step: int) -> bool:
         return self.send(Done(step))
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def submit(self, job: PushJob) -> None:
         """Queue a push for the background sender (never blocks)."""
         self._jobs.put(job)

@@ -98,6 +98,7 @@ class LearnerSession:
         self.stats = LearnerStats()
         self._layout_lock = threading.Lock()
         self._init_cache: list[torch.Tensor] | None = None
+        self._init_ready = threading.Event()  # learner 0: `_init_cache` read (or refused)
         self._pulls: dict[int, Pull] = {}
         self._pull_links: dict[int, int] = {}  # per fragment: the connection its pending PULL came on
         self._bcasts: dict[int, tuple[Bcast, torch.Tensor]] = {}
@@ -166,9 +167,27 @@ class LearnerSession:
             self._init_cache = None
             log.warning("learner 0: the syncer has no model state; seeding it from this learner's current weights")
             return [self._gather(i) for i in range(self.layout.num_fragments)]
-        if self._init_cache is None:
-            self._init_cache = [self._gather(i) for i in range(self.layout.num_fragments)]
+        while not self._init_ready.wait(0.2):  # `_serve_init` reads it on the training thread
+            if self.client.stopping:
+                return None
         return self._init_cache
+
+    def _serve_init(self) -> None:
+        """Learner 0, on the training thread: once the layout is known, read the INIT snapshot the
+        link thread waits for (a sharded store reads collectively, so never from the link thread),
+        refusing to start a run from NaN or Inf."""
+        if self._init_ready.is_set() or self.settings.learner_id != 0 or self.layout is None:
+            return
+        try:
+            values = [self._gather(i) for i in range(self.layout.num_fragments)]
+            for fragment, part in zip(self.layout.fragments, values, strict=True):
+                name = nonfinite_tensor(fragment, part)
+                if name is not None:
+                    raise ValueError(f"learner 0: the initial weights hold NaN or Inf (first in {name!r}); "
+                                     "a run cannot start from them")
+            self._init_cache = values
+        finally:
+            self._init_ready.set()  # the link thread sends the snapshot, or nothing after a refusal
 
     def start(self) -> None:
         """Connect, and wait (at most `init_timeout_s`) for the initial cut before training.
@@ -191,8 +210,9 @@ class LearnerSession:
                 return
             if self.client.refused is not None:
                 return
+            self._serve_init()
             self.store.tick()
-            self._drain(timeout=min(left, 0.5))
+            self._drain(timeout=min(left, 0.5 if self._init_ready.is_set() or s.learner_id else 0.02))
             self._install_bcasts()
         self._init_cache = None
         log.info("learner %d: initial cut installed (%d fragments)", self.settings.learner_id,
@@ -235,6 +255,7 @@ class LearnerSession:
             took = now - self._last_step_at
             self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
         self._last_step_at = now
+        self._serve_init()  # a syncer reached only after `start` gave up waiting still gets INIT
         self._drain(timeout=0.0)
         if self._final_ready():
             self._install_final()

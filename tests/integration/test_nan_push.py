@@ -78,3 +78,43 @@ def test_a_non_finite_push_is_refused_and_never_reaches_the_model(procs: Procs, 
     for name, param in island.model.named_parameters():
         assert torch.isfinite(ckpt[name]).all(), name
         assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the final checkpoint"
+
+
+@pytest.mark.timeout(120)
+def test_learner_0_refuses_to_start_a_run_from_nan_weights(procs: Procs, key_file: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=2, total_rounds=4,
+                          extra=["--init-timeout-s", "5"])
+    island = Island(syncer, key_file)
+    with torch.no_grad():
+        last = list(island.model.named_parameters())[-1]
+        last[1].view(-1)[-1] = float("nan")
+    try:
+        with pytest.raises(ValueError, match=rf"the initial weights hold NaN or Inf \(first in '{last[0]}'\)"):
+            island.start()
+    finally:
+        island.close()
+    assert syncer_exit_code(syncer) == 3, syncer.proc.tail()  # no INIT ever came: it never trained
+    assert not any(r["event"] in ("init", "commit") for r in syncer.tape_records())
+
+
+@pytest.mark.timeout(120)
+def test_the_syncer_refuses_an_init_holding_nan(procs: Procs, key_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The syncer's own defence, for a learner 0 that does not check its weights (an older or a
+    broken client): every INIT fragment is screened as it lands, and a poisoned one is refused."""
+    import yeto_core.learner
+
+    monkeypatch.setattr(yeto_core.learner, "nonfinite_tensor", lambda fragment, values: None)
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=2, total_rounds=4,
+                          extra=["--init-timeout-s", "6"])
+    island = Island(syncer, key_file, init_timeout_s=2)
+    with torch.no_grad():
+        list(island.model.parameters())[-1].view(-1)[-1] = float("nan")
+    try:
+        island.start()  # gives up waiting for the initial cut after 2 s
+        assert not island.session.client.initial_cut_received.is_set()
+    finally:
+        island.close()
+    assert syncer_exit_code(syncer) == 3, syncer.proc.tail()  # no complete INIT: it never trained
+    refused = [line for line in syncer.proc.stderr().splitlines() if "contains NaN or Inf" in line]
+    assert refused and "INIT of fragment" in refused[0], syncer.proc.tail()
+    assert not any(r["event"] in ("init", "commit") for r in syncer.tape_records())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from syncer.commit import decode_delta, finite_f32_part, merge_round, payload_problem, push_screen
+from syncer.commit import decode_delta, finite_f32_part, merge_round, payload_problem, payload_screen
 from syncer.correction import HelocoConfig
 from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
 from syncer.outer import Nesterov, make_outer_optimizer
@@ -104,24 +104,25 @@ def test_decode_refuses_a_quantized_push_with_the_wrong_block_size() -> None:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), -float("nan")])
-def test_the_push_screen_fails_a_part_with_any_non_finite_value(bad: float) -> None:
+def test_the_screen_fails_a_part_with_any_non_finite_value(bad: float) -> None:
     for where in (0, 517, 1023):
         values = torch.linspace(-1e3, 1e3, 1024)
         values[where] = bad
         assert finite_f32_part(tensor_bytes(values)) is False
 
 
-def test_the_push_screen_passes_finite_parts_whose_sum_would_overflow() -> None:
+def test_the_screen_passes_finite_parts_whose_sum_would_overflow() -> None:
     huge = torch.full((1024,), 3.0e38)  # finite values; their float32 sum is +Inf
     assert finite_f32_part(tensor_bytes(huge)) is True
     assert finite_f32_part(tensor_bytes(-huge)) is True
     assert finite_f32_part(memoryview(b"\x00\x00\x80")) is True  # not whole floats: refused for its size instead
 
 
-def test_the_push_screen_checks_f32_pushes_only() -> None:
-    assert push_screen(push(F32.wire_id, 16)) is finite_f32_part
-    assert push_screen(push(BF16.wire_id, 8)) is None  # decoded and checked on the decode pool
-    assert push_screen(Init(0, 1, 16, F32.wire_id)) is None  # INIT is checked when it is adopted
+def test_the_screen_checks_f32_pushes_and_init() -> None:
+    assert payload_screen(push(F32.wire_id, 16)) is finite_f32_part
+    assert payload_screen(Init(0, 1, 16, F32.wire_id)) is finite_f32_part
+    assert payload_screen(push(BF16.wire_id, 8)) is None  # decoded and checked on the decode pool
+    assert payload_screen(Init(0, 1, 8, BF16.wire_id)) is None  # refused for its codec by the coordinator
 
 
 def test_decode_trusts_the_screens_verdict_on_f32_pushes() -> None:

@@ -863,3 +863,13 @@ def test_a_lazy_payload_that_fails_to_encode_fails_the_group(links: Links) -> No
     assert ticket.done.wait(WAIT_S) and not ticket.ok
     assert a.group.wait_closed(WAIT_S)
     assert "encoding a payload failed: cannot round this part" in (a.group.close_reason or "")
+
+
+def test_joining_at_once_after_close_does_not_strand_the_sender_threads(links: Links) -> None:
+    """`join(0)` right after `close` (the syncer retires a refused group this way) must not take the
+    senders' stop sentinel out of their queues: each sender thread still ends."""
+    for _ in range(20):
+        a, _b = links.pair(2)
+        a.group.close("refused")
+        a.group.join(0.0)
+        assert a.group.join(WAIT_S), [t.name for t in a.group._threads if t.is_alive()]

@@ -414,13 +414,15 @@ class ConnectionGroup:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._threads):
+            return False  # a sender still running must find its stop sentinel in its queue
         for q in self._queues:  # drop queued chunks (and their buffers) nobody will send now
             while True:
                 try:
                     q.get_nowait()
                 except queue.Empty:
                     break
-        return not any(t.is_alive() for t in self._threads)
+        return True
 
     def close(self, reason: str) -> None:
         with self._close_lock:
