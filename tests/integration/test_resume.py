@@ -167,3 +167,33 @@ def test_a_syncer_resumed_from_a_final_checkpoint_waits_for_its_learners(procs: 
     reference = checkpoint_params(first.checkpoint)
     for name, param in late.model.named_parameters():
         assert torch.equal(param.detach(), reference[name]), name
+
+
+@pytest.mark.timeout(180)
+def test_a_syncer_restarted_without_resume_is_seeded_from_learner_0s_weights(
+        procs: Procs, key_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Learner 0 seeds a syncer that lost its state with the weights it trains on, read on its
+    training thread at the next step, and the run goes on to a final cut it installs."""
+    common: dict[str, Any] = {"learners": 1, "quorum": 1, "fragments": FRAGMENTS}
+    first = start_syncer(procs, key_file=key_file, tape_name="tape-1.jsonl", checkpoint_name=None, total_rounds=400,
+                         **common)
+    island = Island(first, key_file, reconnect_max_s=0.5)
+    try:
+        island.start()
+        island.train_until(lambda: len(first.commits()) >= 3, 60, "3 committed rounds")
+        first.proc.sigkill()
+        second = start_syncer(procs, key_file=key_file, port=first.port, tape_name="tape-2.jsonl", total_rounds=8,
+                              bind_retry_s=20, **common)
+        island.train_until(lambda: any(r["event"] == "init" for r in second.tape_records()), 60,
+                           "the new syncer's initial cut")
+        island.train_until(lambda: False, 90, "the final cut")
+        assert island.finished and island.session.stats.final_installed
+    finally:
+        island.close()
+    assert syncer_exit_code(second) == 0, second.proc.tail()
+    assert [r["round"] for r in second.commits()] == list(range(8))
+    assert "the syncer has no model state; seeding it from this learner's current weights" in caplog.text
+    assert second.checkpoint is not None
+    ckpt = checkpoint_params(second.checkpoint)
+    for name, param in island.model.named_parameters():
+        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the new syncer's final checkpoint"
