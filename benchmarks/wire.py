@@ -1,7 +1,7 @@
 """The wire in one run: PUSH ingest, BCAST fan-out, bytes per push per codec, codec speed.
 
-    python -m benchmarks.wire [--mib 256] [--fragments 4] [--streams 2] [--pushes 6]
-                              [--learners 3] [--rounds 4] [--elements 64M] [--repeat 3]
+    python -m benchmarks.wire [--mib 256] [--fragments 4] [--streams 2] [--pushes 12]
+                              [--learners 3] [--rounds 8] [--elements 64M] [--repeat 3]
 
 Only ratios measured in one run mean anything (absolute GB/s move with the machine and with
 whatever else runs on it), so every yeto figure is paired with a baseline taken in the same run.
@@ -305,9 +305,9 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="model size in MiB of float32 (default 256)")
     ap.add_argument("--fragments", type=int, default=4, help="P; a PUSH or BCAST carries one fragment (default 4)")
     ap.add_argument("--streams", type=int, default=2, help="data streams per learner, and raw streams (default 2)")
-    ap.add_argument("--pushes", type=int, default=6, help="f32 PUSH rounds with one learner (default 6)")
+    ap.add_argument("--pushes", type=int, default=12, help="f32 PUSH rounds with one learner (default 12)")
     ap.add_argument("--learners", type=int, default=3, help="N, learners receiving each BCAST (default 3)")
-    ap.add_argument("--rounds", type=int, default=4, help="fan-out rounds with N learners (default 4)")
+    ap.add_argument("--rounds", type=int, default=8, help="fan-out rounds with N learners (default 8)")
     ap.add_argument("--elements", type=_count, default=64 << 20, help="values for codec speed (default 64M)")
     ap.add_argument("--block", type=int, default=128, help="block size of the quantized codecs (default 128)")
     ap.add_argument("--repeat", type=int, default=3, help="codec speed: best of this many (default 3)")
