@@ -64,7 +64,7 @@ from yeto_core.wire.messages import (
     Pull,
     Push,
 )
-from yeto_core.wire.transport import ConnectionGroup
+from yeto_core.wire.transport import ConnectionGroup, SendTicket
 
 log = logging.getLogger("yeto.syncer")
 
@@ -97,6 +97,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         self.clock = clock
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.links: dict[int, Link] = {}
+        self._in_flight: dict[int, list[SendTicket]] = {}  # see Outbox._before_write
         self._closed_groups: list[ConnectionGroup] = []  # joined before exit, see ConnectionGroup.join
         self.finished: set[int] = set()
         self.state = state
@@ -459,6 +460,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         f = attempt.fragment
         if self.writer is not None:
             self.writer.preserve(f)  # a background checkpoint still reading fragment f keeps its values
+        self._before_write(f)  # so does a broadcast still being sent
         out = merge_round(list(attempt.answers.values()), params=self.state.params[f],
                           momentum=self.state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,

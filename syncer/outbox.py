@@ -13,13 +13,14 @@ import torch
 
 from syncer.consensus import ConsensusBoard
 from syncer.links import Link
-from yeto_core.codecs import F32
+from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.downlink import DownlinkEncoder
 from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
 from yeto_core.layout import Layout
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.buffers import BufferPool
 from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Final
+from yeto_core.wire.transport import SendTicket
 
 SNAPSHOT_POOL = BufferPool()  # the fragments' send snapshots, recycled once every send is done
 
@@ -32,21 +33,43 @@ class Outbox:
     links: dict[int, Link]
     downlink: DownlinkEncoder
     consensus: ConsensusBoard | None
+    _in_flight: dict[int, list[SendTicket]]  # per fragment: sends that may still read its parameters
 
     def _fragment_bytes(self, index: int) -> memoryview:
-        """An immutable snapshot of one fragment, shared by every learner's sender threads.
+        """Fragment `index`'s committed values for the sender threads of every learner.
 
-        Taken into a recycled buffer: a fresh 64 MiB one faults in every page during the copy
-        (20–25 ms against 4 ms into a warm one, here), on the commit's path to every learner.
-        The buffer goes back to the pool only once every send holding a slice of it is done.
+        On the CPU these are the parameters' own bytes, with no copy: whoever sends them records
+        the ticket (`_sending`), and the next commit of the fragment, which writes the parameters
+        in place, first moves them to a copy if a send is still reading them (`_before_write`).
+        Elsewhere (cuda) they are copied to host memory, into a recycled buffer: a fresh 64 MiB one
+        faults in every page during the copy (20–25 ms against 4 ms into a warm one, here).
         """
         assert self.state is not None
         params = self.state.params[index].detach()
         if params.numel() == 0:
             return memoryview(b"")
+        if params.device.type == "cpu":
+            return tensor_bytes(params)
         snapshot = SNAPSHOT_POOL.take(params.numel() * 4)
         torch.frombuffer(snapshot, dtype=torch.float32).copy_(params.reshape(-1))
         return snapshot
+
+    def _sending(self, index: int, ticket: SendTicket) -> SendTicket:
+        """Note a send that may still read fragment `index`'s parameters."""
+        self._in_flight.setdefault(index, []).append(ticket)
+        return ticket
+
+    def _before_write(self, index: int) -> None:
+        """Before fragment `index` is written in place: if a send still reads its parameters, the
+        committed state moves to a copy (the senders keep the old tensor alive until they finish).
+        On a fast link every send is done long before the fragment's next commit: no copy."""
+        assert self.state is not None
+        pending = [t for t in self._in_flight.pop(index, []) if not t.done.is_set()]
+        params = self.state.params[index]
+        if not pending or params.device.type != "cpu" or params.numel() == 0:
+            return
+        moved = torch.frombuffer(SNAPSHOT_POOL.take(params.numel() * 4), dtype=torch.float32)
+        self.state.params[index] = moved.copy_(params.reshape(-1)).view(params.shape)
 
     def _broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
         """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
@@ -70,7 +93,8 @@ class Outbox:
                 ticket = link.group.send(dataclasses.replace(delta_msg, flags=delta_msg.flags | mine), b.payload)
             else:
                 exact = self._fragment_bytes(f) if exact is None else exact
-                ticket = link.group.send(Bcast(f, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id), exact)
+                ticket = self._sending(f, link.group.send(
+                    Bcast(f, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id), exact))
             if n == 0 and len(links) > 1 and armed("mid-bcast"):
                 ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
                 fault_point("mid-bcast")
@@ -95,14 +119,14 @@ class Outbox:
                 link.group.send(Bcast(i, version, self.state.next_round, b.flags, 0, 0, b.codec, b.digest), b.payload)
             else:
                 msg = Bcast(i, version, self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
-                link.group.send(msg, self._fragment_bytes(i))
+                self._sending(i, link.group.send(msg, self._fragment_bytes(i)))
 
     def _send_final(self, link: Link, *, wait_s: float = 0.0) -> None:
         assert self.state is not None
         p = self.state.num_fragments
         for i in range(p):
             msg = Final(i, self.state.versions[i], p, self.state.next_round, 0, 0, F32.wire_id)
-            ticket = link.group.send(msg, self._fragment_bytes(i))
+            ticket = self._sending(i, link.group.send(msg, self._fragment_bytes(i)))
             if wait_s:
                 ticket.wait(wait_s)
         link.final_sent = True

@@ -1,14 +1,16 @@
-"""The syncer's send snapshots: exact, immutable while held, and recycled once every send is done."""
+"""What the syncer sends is what it committed: fragment bytes go out without a copy, and a commit
+that would overwrite them while a send still reads them moves the state to a copy first."""
 
 from __future__ import annotations
 
-import gc
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from syncer.outbox import SNAPSHOT_POOL, Outbox
+from syncer.outbox import Outbox
+from yeto_core.wire.transport import SendTicket
 
 pytestmark = pytest.mark.unit
 
@@ -16,32 +18,41 @@ pytestmark = pytest.mark.unit
 def outbox(*params: torch.Tensor) -> Outbox:
     box = Outbox()
     box.state = SimpleNamespace(params=list(params))
+    box._in_flight = {}
     return box
 
 
-def test_a_snapshot_holds_the_committed_values_and_does_not_follow_later_writes() -> None:
-    params = torch.randn(1 << 20)
+def test_fragment_bytes_are_the_parameters_own_memory() -> None:
+    params = torch.randn(1 << 16)
+    out = outbox(params)._fragment_bytes(0)
+    assert np.shares_memory(np.frombuffer(out, dtype=np.float32), params.numpy())
+    assert torch.equal(torch.frombuffer(out, dtype=torch.float32), params)
+
+
+def test_a_commit_during_a_send_writes_a_copy_and_the_send_keeps_the_old_values() -> None:
+    params = torch.randn(4, 1 << 14)
     box = outbox(params)
-    snap = box._fragment_bytes(0)
-    expected = params.clone()
-    params.add_(1.0)  # the next commit writes the fragment in place
-    assert torch.equal(torch.frombuffer(snap, dtype=torch.float32), expected)
+    sent = box._sending(0, SendTicket(3))._left  # three chunks still to go
+    out = box._fragment_bytes(0)
+    committed = params.clone()
+    box._before_write(0)
+    moved = box.state.params[0]
+    assert moved is not params and moved.shape == params.shape and torch.equal(moved, committed)
+    moved.add_(1.0)  # the merge writes the fragment in place
+    assert sent == 3 and torch.equal(torch.frombuffer(out, dtype=torch.float32), committed.reshape(-1))
 
 
-def test_snapshot_buffers_come_back_only_after_the_last_slice_is_gone() -> None:
-    box = outbox(torch.randn(1 << 20))
-    snap = box._fragment_bytes(0)
-    part = snap[4096:8192]  # what a queued CHUNK holds
-    reused = SNAPSHOT_POOL.reused
-    del snap
-    gc.collect()
-    again = box._fragment_bytes(0)  # the first buffer is still held by `part`: a new one
-    assert SNAPSHOT_POOL.reused == reused
-    del part, again
-    gc.collect()
+def test_no_copy_once_every_send_is_done() -> None:
+    params = torch.randn(1 << 14)
+    box = outbox(params)
+    ticket = box._sending(0, SendTicket(1))
     box._fragment_bytes(0)
-    assert SNAPSHOT_POOL.reused == reused + 1
+    ticket.chunk_sent()
+    box._before_write(0)
+    assert box.state.params[0] is params
+    box._before_write(0)  # nothing tracked any more
+    assert box.state.params[0] is params
 
 
-def test_an_empty_fragment_snapshots_to_no_bytes() -> None:
+def test_an_empty_fragment_sends_no_bytes() -> None:
     assert len(outbox(torch.empty(0))._fragment_bytes(0)) == 0
