@@ -8,6 +8,7 @@ momentum. It also decodes and validates push payloads. No sockets, no clocks but
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,23 @@ class MergeOutcome:
     merge_ms: float
 
 
+class MergeWorkspace:
+    """Scratch tensors kept from one merge to the next. A merge needs a stack of the deltas, the
+    merged delta and one step-sized temporary; a fresh 64 MiB CPU tensor faults in every page as it is first
+    written (~16 ms here, allocations that size are always fresh memory), which made up most of
+    a merge. Each buffer grows to the largest fragment merged and is viewed at the size asked."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel].view(shape)
+
+
 def merge_round(
     answers: list[Answer],
     *,
@@ -44,19 +62,25 @@ def merge_round(
     outer: OuterOptimizer,
     heloco: HelocoConfig | None,
     threads: int = 1,
+    workspace: MergeWorkspace | None = None,
 ) -> MergeOutcome:
     """Merge one fragment's answers into `params` / `momentum` (in place)."""
     t0 = time.perf_counter()
     ordered = sorted(answers, key=lambda a: a.learner_id)
     weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
-    deltas = torch.stack([a.delta for a in ordered])
+    rows = [a.delta for a in ordered]
+    stacked = None if workspace is None else workspace.take("deltas", (len(rows), params.numel()), params.device)
+    deltas = torch.stack(rows, out=stacked)
     delta_norms = [accurate_norm(row) for row in deltas]
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
             heloco_correct(row, momentum, segments, heloco, out=row)
-    merged = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, threads=threads)
-    grad = outer_gradient(merged)
-    outer.step(params, momentum, grad, outer_state)
+    out = None if workspace is None else workspace.take("merged", (params.numel(),), params.device)
+    merged = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, out=out,
+                          threads=threads)
+    grad = outer_gradient(merged, out=merged)  # the merged delta is not needed after this
+    scratch = None if workspace is None else workspace.take("step", tuple(params.shape), params.device)
+    outer.step(params, momentum, grad, outer_state, scratch=scratch)
     return MergeOutcome(ordered, [float(w) for w in weights], accurate_norm(grad), delta_norms,
                         (time.perf_counter() - t0) * 1000)
 

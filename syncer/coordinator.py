@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, ledger_key, tokens_by_learner
-from syncer.commit import merge_round
+from syncer.commit import MergeWorkspace, merge_round
 from syncer.consensus import ConsensusBoard
 from syncer.correction import HelocoConfig
 from syncer.finale import Finale
@@ -98,6 +98,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.links: dict[int, Link] = {}
         self._in_flight: dict[int, list[SendTicket]] = {}  # see Outbox._before_write
+        self.workspace = MergeWorkspace()  # merge scratch, reused round after round
         self._closed_groups: list[ConnectionGroup] = []  # joined before exit, see ConnectionGroup.join
         self.finished: set[int] = set()
         self.state = state
@@ -464,7 +465,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         out = merge_round(list(attempt.answers.values()), params=self.state.params[f],
                           momentum=self.state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,
-                          threads=self.settings.merge_threads)
+                          threads=self.settings.merge_threads, workspace=self.workspace)
         fault_point("mid-merge")
         if self.state.outer_accum is not None:
             self.state.outer_accum[f] = self.outer_state[f].get(ACCUM_KEY, self.state.outer_accum[f])

@@ -46,9 +46,11 @@ class OuterOptimizer(Protocol):
     """One outer step on one fragment, in place."""
 
     def step(
-        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState
+        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState,
+        *, scratch: torch.Tensor | None = None,
     ) -> None:
-        """Update ``param`` and ``momentum`` (and ``state``) from ``outer_grad``; all the same shape."""
+        """Update ``param`` and ``momentum`` (and ``state``) from ``outer_grad``; all the same shape.
+        ``scratch``, shaped like them, is reused for the step's one temporary instead of a new one."""
         ...
 
 
@@ -79,9 +81,10 @@ class Nesterov:
         _check_coefficients("Nesterov", self.lr, self.momentum)
 
     def step(
-        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState
+        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState,
+        *, scratch: torch.Tensor | None = None,
     ) -> None:
-        nesterov_step(param, momentum, outer_grad, lr=self.lr, momentum_coef=self.momentum)
+        nesterov_step(param, momentum, outer_grad, lr=self.lr, momentum_coef=self.momentum, scratch=scratch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,8 @@ class DelayedNesterov:
                              f"got {self.activation}")
 
     def step(
-        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState
+        self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState,
+        *, scratch: torch.Tensor | None = None,
     ) -> None:
         _check_shapes("DelayedNesterov", param, momentum, outer_grad)
         n = self.delay
@@ -143,14 +147,14 @@ class DelayedNesterov:
             # lr·(k·μ·m + g/N) as (lr/N)·(g + N·k·μ·m), with k = 1 − cN + c = 1 + c(1 − N): for N = 1
             # both factors are exactly 1 and the arithmetic is nesterov_step's.
             pull = n * (1.0 + self.activation * (1 - n)) * self.momentum
-            param.add_(torch.add(outer_grad, momentum, alpha=pull), alpha=-self.lr / n)
+            param.add_(torch.add(outer_grad, momentum, alpha=pull, out=scratch), alpha=-self.lr / n)
             state[COUNT_KEY] = 0
             return
         assert accum is not None
         accum.add_(outer_grad)
         if self.activation > 0.0:
             pull = n * self.activation * self.momentum
-            param.add_(torch.add(outer_grad, momentum, alpha=pull), alpha=-self.lr / n)
+            param.add_(torch.add(outer_grad, momentum, alpha=pull, out=scratch), alpha=-self.lr / n)
         else:
             param.add_(outer_grad, alpha=-self.lr / n)
         state[COUNT_KEY] = count + 1

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from syncer.commit import decode_delta, finite_f32_part, merge_round, payload_problem, payload_screen
+from syncer.commit import (
+    MergeWorkspace,
+    decode_delta,
+    finite_f32_part,
+    merge_round,
+    payload_problem,
+    payload_screen,
+)
 from syncer.correction import HelocoConfig
 from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
 from syncer.outer import Nesterov, make_outer_optimizer
@@ -134,3 +141,30 @@ def test_decode_trusts_the_screens_verdict_on_f32_pushes() -> None:
     assert problem == "delta for fragment 0 contains NaN or Inf"
     bad = torch.tensor([1.0, float("inf"), 0.0, 0.0])  # unscreened (e.g. a carried push from before): checked here
     assert "NaN or Inf" in str(decode_delta(layout, push(F32.wire_id, 16), tensor_bytes(bad), F32, screened=None))
+
+
+@pytest.mark.parametrize("optimizer", ["nesterov", "delayed-nesterov"])
+def test_a_merge_workspace_changes_no_bit(optimizer: str) -> None:
+    """Reused scratch (grown to the largest fragment, viewed smaller) gives the same bits as fresh
+    tensors, merge after merge."""
+    gen = torch.Generator().manual_seed(3)
+    workspace = MergeWorkspace()
+    outer = make_outer_optimizer(optimizer, lr=0.7, momentum=0.9, delay=2)
+    states: dict[bool, list[dict]] = {False: [{}, {}], True: [{}, {}]}
+    sizes = [96, 40]  # two fragments of different sizes share the workspace
+    tensors = {reuse: [(torch.zeros(n), torch.zeros(n)) for n in sizes] for reuse in (False, True)}
+    for round_id in range(6):
+        f = round_id % 2
+        n = sizes[f]
+        segments = [Segment(0, n // 2, True), Segment(n // 2, n - n // 2, False)]
+        answers = [Answer(i, 1, 100 * (i + 1), 2 + i, torch.randn(n, generator=gen), 0) for i in range(3)]
+        outcomes = {}
+        for reuse in (False, True):
+            params, momentum = tensors[reuse][f]
+            outcomes[reuse] = merge_round(answers, params=params, momentum=momentum, outer_state=states[reuse][f],
+                                          segments=segments, outer=outer, heloco=None,
+                                          workspace=workspace if reuse else None)
+        assert outcomes[True].outer_grad_norm == outcomes[False].outer_grad_norm
+        assert outcomes[True].delta_norms == outcomes[False].delta_norms
+        for a, b in zip(tensors[True][f], tensors[False][f], strict=True):
+            assert torch.equal(a, b), f"round {round_id}: a reused workspace changed the merge"
