@@ -22,7 +22,7 @@ from yeto_core.wire.buffers import BufferPool
 from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Final
 from yeto_core.wire.transport import SendTicket
 
-SNAPSHOT_POOL = BufferPool()  # the fragments' send snapshots, recycled once every send is done
+SNAPSHOT_POOL = BufferPool()  # host copies of fragments (cuda sends, `_before_write`), recycled once unused
 
 
 class Outbox:
