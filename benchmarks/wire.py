@@ -21,10 +21,10 @@ The last line is `ratio push_ingest_f32/raw_loopback = X`.
    syncer merges and commits, then broadcasts the new fragment (exact f32) to all N. fan-out =
    N × fragment bytes / (last learner's client has the whole BCAST payload reassembled and handed
    to its inbox − the commit record's `t` on the tape). The interval therefore also holds the
-   syncer's snapshot copy of the fragment and the tape's fsync of the commit record (the
-   reference row below measures an fsync here). The baseline is one raw transfer of N × fragment
-   bytes over N × streams (one receiver process, like the N clients in this one), taken right
-   before each round.
+   tape's fsync of the commit record (the reference row below measures an fsync here); the
+   broadcast itself sends the committed parameters' bytes without a copy. The baseline is one raw
+   transfer of N × fragment bytes over N × streams (one receiver process, like the N clients in
+   this one), taken right before each round.
 3. **Bytes on the wire per push** for each codec (`encoded_nbytes` of one fragment, block
    `--block`), plus the PUSH frame and the CHUNK frame headers, relative to f32; and the bf16
    downlink delta relative to a FULL broadcast (alone, and averaged with one FULL every
