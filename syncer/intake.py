@@ -55,6 +55,8 @@ class PushIntake:
             old = self.step_s.get(lid)
             self.step_s[lid] = step_s if old is None else (1 - EMA) * old + EMA * step_s
         problem = payload_problem(self.layout, msg, payload, link.codec)
+        if problem is None and screened is False:  # known bad: refused now, never carried
+            problem = f"delta for fragment {msg.fragment} contains NaN or Inf"
         if problem is None:
             fate, problem = self._judge(link, msg)
         else:
@@ -144,7 +146,11 @@ class PushIntake:
                 continue
             delta = decode_delta(self.layout, c.msg, c.payload, c.codec, c.screened)
             if isinstance(delta, str):
-                log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
+                link = self.links.get(lid)
+                if link is not None and link.generation == c.generation:
+                    self._refuse_push(link, c.msg, f"carried push dropped: {delta}")
+                else:
+                    log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
                 continue
             attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
                                           c.msg.base_version, carried=True)

@@ -186,10 +186,11 @@ class LearnerSession:
                 name = nonfinite_tensor(fragment, part)
                 if name is None:
                     continue
-                message = f"learner 0: the weights hold NaN or Inf (first in {name!r}); "
                 if not self.client.initial_cut_received.is_set():
-                    raise ValueError(message + "a run cannot start from them")
-                print(f"yeto {message}no INIT for the syncer that lost its state", file=sys.stderr)
+                    raise ValueError(f"learner 0: the initial weights hold NaN or Inf (first in {name!r}); "
+                                     "a run cannot start from them")
+                print(f"yeto learner 0: the weights hold NaN or Inf (first in {name!r}); no INIT for the syncer "
+                      "that lost its state", file=sys.stderr)
                 values = []
                 break
             self._init_cache = values or None

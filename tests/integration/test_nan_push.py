@@ -105,12 +105,13 @@ def test_the_syncer_refuses_an_init_holding_nan(procs: Procs, key_file: Path, mo
 
     monkeypatch.setattr(yeto_core.learner, "nonfinite_tensor", lambda fragment, values: None)
     syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=2, total_rounds=4,
-                          extra=["--init-timeout-s", "6"])
+                          extra=["--init-timeout-s", "20"])
     island = Island(syncer, key_file, init_timeout_s=2)
     with torch.no_grad():
         list(island.model.parameters())[-1].view(-1)[-1] = float("nan")
     try:
-        island.start()  # gives up waiting for the initial cut after 2 s
+        island.start()  # gives up waiting for the initial cut after 2 s; its link keeps offering INIT
+        wait_until(lambda: "contains NaN or Inf" in syncer.proc.stderr(), 30, "the syncer's refusal of the INIT")
         assert not island.session.client.initial_cut_received.is_set()
     finally:
         island.close()

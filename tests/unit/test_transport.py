@@ -873,3 +873,22 @@ def test_joining_at_once_after_close_does_not_strand_the_sender_threads(links: L
         a.group.close("refused")
         a.group.join(0.0)
         assert a.group.join(WAIT_S), [t.name for t in a.group._threads if t.is_alive()]
+
+
+def test_a_group_closed_before_it_starts_runs_no_threads(links: Links) -> None:
+    a, _b = links.pair(1, start_a=False)
+    a.group.close("refused before it started")
+    a.group.start()
+    assert a.group._threads == [] and a.group.join(0.0)
+
+
+def test_retiring_a_group_while_another_thread_starts_it(links: Links) -> None:
+    """The syncer's coordinator may close and join a group while the accept thread is starting it."""
+    for _ in range(30):
+        a, _b = links.pair(2, start_a=False)
+        starter = threading.Thread(target=a.group.start)
+        starter.start()
+        a.group.close("refused")
+        a.group.join(0.0)  # must not fail on a thread that is not started yet
+        starter.join(WAIT_S)
+        assert a.group.join(WAIT_S), [t.name for t in a.group._threads if t.is_alive()]

@@ -386,16 +386,25 @@ class ConnectionGroup:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self.control.sock.settimeout(max(0.05, self._heartbeat_s / 2))
-        targets: list[tuple[Callable[..., None], tuple[Any, ...], str]] = [(self._control_loop, (), "ctl")]
-        for i, stream in enumerate(self.data):
-            stream.sock.settimeout(None)
-            targets.append((self._data_loop, (stream,), f"rx{i}"))
-            targets.append((self._sender_loop, (i, stream, self._queues[i]), f"tx{i}"))
-        for fn, args, tag in targets:
-            t = threading.Thread(target=fn, args=args, name=f"{self.name}-{tag}", daemon=True)
-            self._threads.append(t)
-            t.start()
+        """Start the reader and sender threads; a group closed before it started runs none. Under
+        the close lock, so `join` (which may run on another thread at any time) only ever sees a
+        complete list of started threads."""
+        with self._close_lock:
+            if self._closed.is_set() or self._threads:
+                return
+            with contextlib.suppress(OSError):  # a socket already gone: the loops end at once
+                self.control.sock.settimeout(max(0.05, self._heartbeat_s / 2))
+                for stream in self.data:
+                    stream.sock.settimeout(None)
+            targets: list[tuple[Callable[..., None], tuple[Any, ...], str]] = [(self._control_loop, (), "ctl")]
+            for i, stream in enumerate(self.data):
+                targets.append((self._data_loop, (stream,), f"rx{i}"))
+                targets.append((self._sender_loop, (i, stream, self._queues[i]), f"tx{i}"))
+            threads = [threading.Thread(target=fn, args=args, name=f"{self.name}-{tag}", daemon=True)
+                       for fn, args, tag in targets]
+            for t in threads:
+                t.start()
+            self._threads = threads
 
     @property
     def closed(self) -> bool:
@@ -411,10 +420,12 @@ class ConnectionGroup:
         frees the last reference to a tensor-backed buffer during interpreter shutdown aborts it.
         """
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        with self._close_lock:
+            threads = list(self._threads)  # every one of them started (see `start`)
+        for t in threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._threads):
+        if any(t.is_alive() for t in threads):
             return False  # a sender still running must find its stop sentinel in its queue
         for q in self._queues:  # drop queued chunks (and their buffers) nobody will send now
             while True:
