@@ -4,13 +4,10 @@ A *connection group* is one control stream (stream 0) plus N data streams. Contr
 small and ordered. A bulk message goes out as one control frame that announces a transfer id
 and a byte count, followed by CHUNK frames of at most 4 MiB striped round-robin over the data
 streams, each sent by that stream's own sender thread so the streams really run in parallel.
-The receiver reads every chunk with `recv_into` straight into one buffer per transfer (size
-checked against `max_payload` first; taken from a pool of recycled buffers, `buffers.py`) and
-delivers the message when the announcement and every byte have arrived, in whichever order.
-An optional *screen* checks each chunk on its reader thread right after it lands, while the
-bytes are still in cache (the syncer screens f32 pushes for NaN/Inf this way); chunks that
-arrived before their announcement are screened at delivery instead, so every byte is screened
-once whatever the order.
+The receiver reads every chunk with `recv_into` straight into one buffer per transfer and
+delivers the message when the announcement and every byte have arrived, in whichever order,
+optionally screening each chunk as it lands (`reassembly.py`; the syncer screens f32 pushes for
+NaN/Inf this way).
 
 Both sides send HEARTBEAT on the control stream; a group that hears nothing for
 `peer_timeout_s` closes itself. Every failure closes the whole group once, with a reason.
@@ -29,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from yeto_core.faults import fault_point
-from yeto_core.wire.buffers import RECEIVE_POOL, BufferPool, receive_buffer
+from yeto_core.wire.buffers import receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
@@ -46,10 +43,13 @@ from yeto_core.wire.messages import (
     encode_frame,
     parse_header,
 )
+from yeto_core.wire.reassembly import MAX_TRANSFERS_IN_FLIGHT, PartCheck, Reassembler, Screen
+
+__all__ = ["MAX_TRANSFERS_IN_FLIGHT", "ConnectionGroup", "LazyPayload", "PartCheck", "Reassembler", "Screen",
+           "SendTicket", "Stream", "pick_stream", "tune_socket"]
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFERS_IN_FLIGHT = 256
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
 SEND_PIECE = 1024 * 1024
 SCHEDULES = ("rr", "adaptive")
@@ -192,137 +192,6 @@ class SendTicket:
 
     def wait(self, timeout: float) -> bool:
         return self.done.wait(timeout) and self.error is None
-
-
-PartCheck = Callable[[memoryview], bool]
-"""A screen's verdict on one part (chunk) of a payload: True when the part passes."""
-Screen = Callable[[Message], PartCheck | None]
-"""Which check a bulk message's parts get, or None for messages that are not screened."""
-
-
-@dataclasses.dataclass
-class _Incoming:
-    buffer: memoryview
-    received: int = 0
-    msg: Message | None = None
-    chunks: set[int] = dataclasses.field(default_factory=set)  # indices of chunks already written
-    screened: set[int] = dataclasses.field(default_factory=set)  # indices of chunks already screened
-    failed: bool = False  # some screened chunk did not pass
-
-
-class Reassembler:
-    """Collects announced bulk transfers and their chunks into one buffer each."""
-
-    def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview, bool | None], None],
-                 peer: str, chunk_bytes: int = CHUNK_BYTES, pool: BufferPool | None = RECEIVE_POOL,
-                 screen: Screen | None = None) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.pool = pool
-        self.max_payload = max_payload  # evaluated per transfer: the bound can tighten once a layout is known
-        self.screen = screen
-        self._deliver = deliver  # (msg, payload, passed): passed is None when the screen skips msg
-        self._peer = peer
-        self._lock = threading.Lock()
-        self._transfers: dict[int, _Incoming] = {}
-
-    def _check_bound(self, total: int) -> None:
-        bound = self.max_payload()
-        if total > bound:
-            raise ProtocolError(f"{self._peer}: transfer of {total} bytes exceeds the {bound}-byte bound")
-
-    def _get(self, transfer: int, total: int) -> _Incoming:
-        inc = self._transfers.get(transfer)
-        if inc is None:
-            self._check_bound(total)
-            if len(self._transfers) >= MAX_TRANSFERS_IN_FLIGHT:
-                raise ProtocolError(f"{self._peer}: more than {MAX_TRANSFERS_IN_FLIGHT} transfers in flight")
-            inc = _Incoming(self.pool.take(total) if self.pool is not None else receive_buffer(total))
-            self._transfers[transfer] = inc
-        elif len(inc.buffer) != total:
-            announced = len(inc.buffer)
-            raise ProtocolError(f"{self._peer}: transfer {transfer} announced {announced} bytes, chunk says {total}")
-        return inc
-
-    def _complete(self, transfer: int, inc: _Incoming) -> _Incoming | None:
-        if inc.msg is not None and inc.received == len(inc.buffer):
-            del self._transfers[transfer]
-            return inc
-        return None
-
-    def _finish(self, inc: _Incoming) -> None:
-        """Screen the chunks that came in before their announcement, then deliver (outside the lock)."""
-        assert inc.msg is not None
-        check = self.screen(inc.msg) if self.screen is not None else None
-        passed = None
-        if check is not None:
-            size = self.chunk_bytes
-            for index in range(-(-len(inc.buffer) // size)):
-                if inc.failed:
-                    break
-                if index not in inc.screened and not check(inc.buffer[index * size : (index + 1) * size]):
-                    inc.failed = True
-            passed = not inc.failed
-        self._deliver(inc.msg, inc.buffer, passed)
-
-    def announce(self, msg: Message) -> None:
-        transfer, nbytes = msg.transfer, msg.nbytes  # type: ignore[attr-defined]
-        with self._lock:
-            inc = self._get(transfer, nbytes)
-            if inc.msg is not None:
-                raise ProtocolError(f"{self._peer}: transfer {transfer} announced twice")
-            inc.msg = msg
-            done = self._complete(transfer, inc)
-        if done:
-            self._finish(done)
-
-    def chunk_target(self, transfer: int, total: int, offset: int, n: int) -> memoryview:
-        # Chunks tile the transfer exactly (4 MiB each, the last one shorter), so tracking chunk
-        # indices proves every byte was written once: a repeated chunk cannot hide a hole.
-        if transfer not in self._transfers:  # a new transfer: refuse an oversize claim before anything else
-            self._check_bound(total)
-        size = self.chunk_bytes
-        index, misaligned = divmod(offset, size)
-        if misaligned or offset >= total or n != min(size, total - offset):
-            raise ProtocolError(f"{self._peer}: chunk [{offset}, {offset + n}) does not tile a transfer of {total} "
-                                f"bytes in {size}-byte chunks")
-        with self._lock:
-            inc = self._get(transfer, total)
-            if index in inc.chunks:
-                raise ProtocolError(f"{self._peer}: chunk at offset {offset} of transfer {transfer} sent twice")
-            inc.chunks.add(index)
-            return inc.buffer[offset : offset + n]
-
-    def incomplete(self) -> int:
-        """How many transfers are announced or partly received but not delivered yet."""
-        with self._lock:
-            return len(self._transfers)
-
-    def chunk_done(self, transfer: int, offset: int, part: memoryview) -> bool:
-        """Account the chunk `part` at `offset` of `transfer` written (screening it now when its
-        announcement is already in); True while some of the transfer's bytes are still missing."""
-        passed = None
-        if self.screen is not None:
-            with self._lock:
-                inc = self._transfers.get(transfer)
-                msg = inc.msg if inc is not None else None
-            check = self.screen(msg) if msg is not None else None
-            if check is not None:
-                passed = check(part)  # on this reader thread, while the chunk is still in cache
-        with self._lock:
-            inc = self._transfers.get(transfer)
-            if inc is None:
-                raise ProtocolError(f"{self._peer}: chunk for unknown transfer {transfer}")
-            inc.received += len(part)
-            if inc.received > len(inc.buffer):
-                raise ProtocolError(f"{self._peer}: transfer {transfer} received more bytes than announced")
-            if passed is not None:
-                inc.screened.add(offset // self.chunk_bytes)
-                inc.failed |= not passed
-            missing = inc.received < len(inc.buffer)
-            done = self._complete(transfer, inc)
-        if done:
-            self._finish(done)
-        return missing
 
 
 class ConnectionGroup:
