@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--outer-momentum", type=float, help="Nesterov outer momentum (default 0.9)")
     add("--outer-optimizer", choices=["nesterov", "delayed-nesterov"], help="outer optimizer (default nesterov)")
     add("--outer-delay", type=int, help="N of delayed Nesterov: the momentum moves every N steps (default 4)")
+    add("--merge", choices=["rda", "average"], help="merge of non-embedding tensors: radial-directional "
+        "averaging (rda, default) or the plain weighted average (the embedding is always averaged)")
     add("--delta-correction", choices=["heloco", "none"],
         help="correct deltas that oppose the outer momentum (HeLoCo, default) or not")
     add("--decode-threads", type=int, help="threads that decode pushes beside the coordinator (default 2)")

@@ -275,7 +275,8 @@ class Coordinator(PushIntake, Outbox, Finale):
                 st[ACCUM_KEY] = state.outer_accum[f].to(self.device)
                 st[COUNT_KEY] = state.outer_count[f]
         self.segments = [
-            [Segment(s.offset, s.numel, rda=not s.embedding) for s in frag.slots] for frag in layout.fragments
+            [Segment(s.offset, s.numel, rda=self.settings.merge == "rda" and not s.embedding) for s in frag.slots]
+            for frag in layout.fragments
         ]
 
     def _retire(self, group: ConnectionGroup) -> None:

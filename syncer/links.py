@@ -19,7 +19,7 @@ from yeto_core.wire.transport import ConnectionGroup
 def backend_id(s: SyncerSettings) -> str:
     """Names the merge math a checkpoint was made with; --resume refuses a different one."""
     outer = "nesterov" if s.outer_optimizer == "nesterov" else f"delayed-nesterov{s.outer_delay}"
-    return f"rda-{s.delta_correction}-{outer}-v1"
+    return f"{s.merge}-{s.delta_correction}-{outer}-v1"
 
 
 

@@ -145,6 +145,8 @@ class SyncerSettings(BaseSettings):
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = "nesterov"
     outer_delay: int = Field(default=4, ge=1, description="N of delayed Nesterov: momentum moves every N steps")
+    merge: Literal["rda", "average"] = Field(default="rda", description="non-embedding tensors: radial-directional "
+                                             "averaging (rda) or the plain weighted average")
     delta_correction: Literal["heloco", "none"] = Field(default="heloco", description="stale-delta correction")
     merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
     decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")

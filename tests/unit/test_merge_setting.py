@@ -1,0 +1,50 @@
+"""`--merge {rda,average}`: which tensors RDA merges, and the backend id a checkpoint records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncer.coordinator import Coordinator
+from syncer.links import backend_id
+from syncer.tape import EventTape
+from yeto_core.layout import TensorSpec, build_layout
+from yeto_core.settings import SyncerSettings
+
+pytestmark = pytest.mark.unit
+
+SPECS = [TensorSpec("embed.weight", (8, 4), "float32", embedding=True), TensorSpec("layers.0.w", (4, 4), "float32"),
+         TensorSpec("layers.0.b", (4,), "float32"), TensorSpec("layers.1.w", (4, 4), "float32")]
+
+
+def segments(merge: str) -> list[list[bool]]:
+    coordinator = Coordinator(SyncerSettings(merge=merge), device=torch.device("cpu"), tape=EventTape(None))
+    try:
+        coordinator._adopt_layout(build_layout(SPECS, 3, "binpack"))
+        return [[seg.rda for seg in frag] for frag in coordinator.segments]
+    finally:
+        coordinator._decoders.shutdown()
+
+
+def test_rda_merges_every_tensor_but_the_embedding() -> None:
+    assert segments("rda") == [[False], [True, True], [True]]
+
+
+def test_average_merges_every_tensor_by_the_plain_weighted_average() -> None:
+    assert segments("average") == [[False], [False, False], [False]]
+
+
+def test_the_backend_id_names_the_merge() -> None:
+    ids = {backend_id(SyncerSettings(merge=m, delta_correction=c)) for m in ("rda", "average")
+           for c in ("heloco", "none")}
+    assert len(ids) == 4  # --resume refuses a checkpoint made with another merge
+    assert backend_id(SyncerSettings(merge="rda", delta_correction="heloco", outer_optimizer="nesterov")) == (
+        "rda-heloco-nesterov-v1")  # checkpoints written before the setting existed still resume
+
+
+def test_an_unknown_merge_is_refused_with_the_setting_named() -> None:
+    from yeto_core.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="--merge='iso'"):
+        load_settings(SyncerSettings, flags=True, merge="iso")
+
