@@ -16,10 +16,13 @@ once per optimizer step. The session never blocks a step on the network:
 * **Installing.** A BCAST is blended, θ ← α·θ_local + (1−α)·Θ (`merge_alpha`), into the
   parameter in place (optimizer moments untouched); the anchor becomes Θ. The very first cut
   overwrites, so every learner starts from learner 0's initial weights.
+* **Lockstep** (`lockstep`, for reproducible experiments). Boundary k waits for the PULL of
+  round k, and the next step waits for that round's BCAST: the schedule is a function of steps.
 * **Finalization.** When all P FINAL cuts are in, they are installed exactly (no blending) and
   `step` returns True: training ends at that step, and every learner holds the syncer's bits.
   A learner that reaches its own step limit first sends DONE and waits (with a deadline) for
-  the final cut in `finish`.
+  the final cut in `finish`; with `final_flush` it first pushes what every fragment trained
+  since its last push and waits for those rounds to merge.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +70,7 @@ class LearnerStats:
     installs: int = 0
     rebases: int = 0  # overlap installs that dropped a merged push from θ (Mix1)
     blocked_s: float = 0.0  # time steps waited for blocking fragments (Mix2)
+    lockstep_misses: int = 0  # lockstep waits that ran out of time: the schedule was no longer pinned
     final_installed: bool = False
     connected_generations: list[int] = field(default_factory=list)
     probe: ProbeResult | None = None
@@ -265,6 +269,8 @@ class LearnerSession:
         self._last_step_at = now
         self._serve_init()  # a syncer reached only after `start` gave up waiting still gets INIT
         self._drain(timeout=0.0)
+        if self.settings.lockstep:  # the merge of the last boundary's push is installed at this step
+            self._lockstep_wait(self._pushes_merged, "the merge of this island's last push")
         if self._final_ready():
             self._install_final()
             return True
@@ -272,30 +278,51 @@ class LearnerSession:
         self.consensus.after_installs(self.stats.installs, sum(f.version for f in self.fragments if f.version > 0),
                                       self.stats.steps, self.client.send_probe)
         if self.stats.steps % self.boundary_every == 0:
+            if self.settings.lockstep:  # every boundary answers one round
+                self._lockstep_wait(self._pull_answerable, f"a pull to answer at step {self.stats.steps}")
             self._boundary()
         return False
 
     def finish(self) -> bool:
-        """Local training ended: ask for the final cut and install it (deadline `final_timeout_s`)."""
+        """Local training ended: push what each fragment trained since its last push (the final
+        flush, `final_flush`), then ask for the final cut and install it; `final_timeout_s` bounds
+        it all, and the flush gets at most half of it."""
         if self.stats.final_installed:
             return True
         if self.client.refused is not None or self.layout is None:
             return False
-        deadline = time.monotonic() + self.settings.final_timeout_s
+        if self.settings.lockstep and not self.settings.final_flush:  # the syncer must not drop the last push
+            self._lockstep_wait(self._pushes_merged, "the merge of this island's last push")
+        started = time.monotonic()
+        deadline = started + self.settings.final_timeout_s
+        flushing = self.settings.final_flush
         while time.monotonic() < deadline:
             if self.client.refused is not None:
                 return False
             self.store.tick()
+            if flushing and (self._flushed() or time.monotonic() > started + self.settings.final_timeout_s / 2):
+                if not self._flushed():
+                    log.warning("learner %d: the last steps of some fragments were not merged in time; asking for "
+                                "the final cut without them", self.settings.learner_id)
+                flushing = False
             needs_done = self._generation is not None and self._done_sent_generation != self._generation
-            if needs_done and self.client.send_done(self.stats.steps):
+            if not flushing and needs_done and self.client.send_done(self.stats.steps):
                 self._done_sent_generation = self._generation
-            self._drain(timeout=0.5)
+            self._drain(timeout=0.05 if flushing else 0.5)
             if self._final_ready():
                 self._install_final()
                 return True
+            if flushing:  # every pull is a boundary now: nothing trains in between
+                self._install_bcasts()
+                self._boundary()
         log.warning("learner %d: the final cut did not arrive within %.0f s; keeping local weights",
                     self.settings.learner_id, self.settings.final_timeout_s)
         return False
+
+    def _flushed(self) -> bool:
+        """Every fragment's anchor was installed after the last trained step: each step is in a
+        merged round (DONE only then, so the syncer never drops an answer it has not decoded)."""
+        return all(f.steps_mark == self.stats.steps or f.anchor is None for f in self.fragments)
 
     def close(self) -> None:
         reason = "final cut installed" if self.stats.final_installed else "learner stopped"
@@ -507,6 +534,37 @@ class LearnerSession:
             print(message, file=sys.stderr)
         log.error("%s", message)
         return False
+
+    # -- lockstep (reproducible schedules) ------------------------------------------------------
+    def _lockstep_wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Take in what the syncer sends, without installing it, until `ready()` (or the final
+        cut is here). Past `lockstep_timeout_s` the island trains on and the miss is counted."""
+        deadline = time.monotonic() + self.settings.lockstep_timeout_s
+        while not ready() and not self._final_ready():
+            if self.client.refused is not None:
+                return
+            if time.monotonic() > deadline:
+                self.stats.lockstep_misses += 1
+                log.warning("learner %d: lockstep: no %s within %.0f s; training on, the schedule is no longer "
+                            "pinned to steps", self.settings.learner_id, what, self.settings.lockstep_timeout_s)
+                return
+            self.store.tick()
+            self._drain(timeout=0.05)
+
+    def _pushes_merged(self) -> bool:
+        """Every push sent has had its round's BCAST arrive (or installed)."""
+        for f, job in self._unconfirmed.items():
+            held = self._bcasts.get(f)
+            arrived = held is not None and held[0].version > job.base_version
+            if self.fragments[f].version <= job.base_version and not arrived:
+                return False
+        return True
+
+    def _pull_answerable(self) -> bool:
+        """No push is streaming and a pending PULL can be answered with the installed anchors."""
+        if self._push_in_flight():
+            return False
+        return any(self.fragments[p.fragment].version == p.version for p in self._pulls.values())
 
     def _wait_for_merge(self, job: PushJob) -> None:
         """Mix2 (SPEC §2.6): block this step until the round of a blocking fragment is merged and

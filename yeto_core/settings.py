@@ -89,6 +89,13 @@ class LearnerSettings(BaseSettings):
     blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
                                                   "'embedding', 'head', 'layers:N' (the first N layers) or indices")
     blocking_timeout_s: float = Field(default=120.0, gt=0, description="longest wait for a blocking fragment")
+    final_flush: bool = Field(default=False, description="when training ends, push every fragment's last steps "
+                              "and wait for their merge before asking for the final cut")
+    lockstep: bool = Field(default=False, description="pin the schedule to learner steps for reproducible "
+                           "experiments: round k is answered at boundary k and its merge installed at the next "
+                           "step, waiting for both; every island then waits for the slowest")
+    lockstep_timeout_s: float = Field(default=300.0, gt=0, le=86400,
+                                      description="lockstep: longest wait for a pull or a merge before training on")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
     consensus_every: int = Field(default=4, ge=0, description="evaluate the probe batch after every N installs of "
                                  "merged fragments and report it to the syncer (0: no consensus signal)")
