@@ -54,6 +54,10 @@ class SyncerState:
     # Delayed Nesterov's per-fragment gradient accumulator and window position (None: not used).
     outer_accum: list[torch.Tensor] | None = None
     outer_count: list[int] = field(default_factory=list)
+    # Per fragment: the round of its last commit and the learners whose pushes that commit merged
+    # (empty: no commit yet, or a checkpoint from before this was kept). A learner that rebases
+    # (overlap) learns from it, on reconnect, whether its last push is already in the fragment.
+    merged_by: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def ledger_key(learner_id: int, generation: int) -> str:
@@ -139,6 +143,7 @@ def _metadata(state: SyncerState) -> str:
         "extra": state.extra,
         "outer_accum": state.outer_accum is not None,
         "outer_count": [int(c) for c in state.outer_count],
+        "merged_by": [[int(r), sorted(int(i) for i in ids)] for r, ids in state.merged_by],
     }
     return json.dumps(doc, sort_keys=True)
 
@@ -226,6 +231,8 @@ def _parse(path: Path, doc: Any) -> tuple[list[TensorSpec], Layout, dict[str, An
             all(isinstance(v, int) for v in doc["versions"]),
             all(isinstance(k, str) and isinstance(v, int) for k, v in doc["ledger"].items()),
             all(min(parse_ledger_key(k)) >= 0 for k in doc["ledger"]),
+            all(isinstance(r, int) and all(isinstance(i, int) for i in ids) for r, ids in doc.get("merged_by", [])),
+            len(doc.get("merged_by", [])) in (0, doc["num_fragments"]),
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed 'yeto' metadata: {exc!r}") from exc
@@ -313,4 +320,5 @@ def load_checkpoint(
         extra=doc["extra"],
         outer_accum=bufs["accum"] if with_accum else None,
         outer_count=[int(c) for c in doc.get("outer_count", [])],
+        merged_by=[(r, list(ids)) for r, ids in doc.get("merged_by", [])],
     )

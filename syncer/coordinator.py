@@ -137,6 +137,8 @@ class Coordinator(PushIntake, Outbox, Finale):
         self._final_expected: set[int] = set()
         self._final_acked: set[int] = set()
         if state is not None:
+            if not state.merged_by:  # a checkpoint from before merges were recorded: nothing known
+                state.merged_by = [(-1, []) for _ in range(state.num_fragments)]
             self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
             self.phase = Phase.RUNNING
             if state.finalized:
@@ -253,7 +255,7 @@ class Coordinator(PushIntake, Outbox, Finale):
             backend=backend_id(self.settings), params=params, momentum=momentum, versions=[0] * p,
             next_round=0, ledger={}, finalized=False,
             outer_accum=[lazy_zeros(m.numel(), self.device) for m in momentum] if delayed else None,
-            outer_count=[0] * p if delayed else [],
+            outer_count=[0] * p if delayed else [], merged_by=[(-1, []) for _ in range(p)],
             extra={"outer_lr": self.settings.outer_lr, "outer_momentum": self.settings.outer_momentum},
         )
         log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",
@@ -474,6 +476,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         answers, weights, grad_norm, merge_ms = out.answers, out.weights, out.outer_grad_norm, out.merge_ms
         self.state.versions[f] += 1
         self.state.next_round = attempt.round + 1
+        self.state.merged_by[f] = (attempt.round, sorted(a.learner_id for a in answers))
         for a in answers:
             key = ledger_key(a.learner_id, a.generation)
             self.state.ledger[key] = self.state.ledger.get(key, 0) + a.tokens

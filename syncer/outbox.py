@@ -109,16 +109,22 @@ class Outbox:
                 link.group.send(msg)
 
     def _send_full_state(self, link: Link) -> None:
-        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor)."""
+        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor).
+        Each names the round of the fragment's last commit, flagged MERGED when that commit merged
+        this learner's push: a learner that lost the round's own BCAST (a dropped link, a syncer
+        killed mid-broadcast) rebases on it exactly as on that BCAST."""
         assert self.state is not None
         for i in range(self.state.num_fragments):
             version = self.state.versions[i]
+            last_round, merged = self.state.merged_by[i]
+            mine = BCAST_MERGED if link.learner_id in merged else 0
+            round_id = last_round if last_round >= 0 else self.state.next_round
             if link.bcast_delta:
                 held = self.downlink.anchors[i] is not None
                 b = self.downlink.full(i) if held else self.downlink.commit(i, version, self.state.params[i])
-                link.group.send(Bcast(i, version, self.state.next_round, b.flags, 0, 0, b.codec, b.digest), b.payload)
+                link.group.send(Bcast(i, version, round_id, b.flags | mine, 0, 0, b.codec, b.digest), b.payload)
             else:
-                msg = Bcast(i, version, self.state.next_round, BCAST_FULL, 0, 0, F32.wire_id)
+                msg = Bcast(i, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id)
                 self._sending(i, link.group.send(msg, self._fragment_bytes(i)))
 
     def _send_final(self, link: Link, *, wait_s: float = 0.0) -> None:

@@ -400,18 +400,25 @@ class LearnerSession:
         """Overlap (SPEC §2.5, Mix1): θ ← Θ + (θ − base), and Θ becomes the anchor. `base` is θ
         at the push when Θ merged that push (the syncer flags it), else the old anchor: the
         progress Θ already holds is dropped once, the rest is kept for the next push. True when
-        Θ merged this learner's push."""
+        Θ merged this learner's push.
+
+        A Θ more than one version past the push's base followed commits this learner never saw,
+        and the flag speaks of the last of them only: the push counts as merged then, so at worst
+        it is dropped (as an overwrite drops it), never added twice."""
         assert self.layout is not None
         state = self.fragments[index]
         assert state.anchor is not None
-        merged = (sent is not None and bool(msg.flags & BCAST_MERGED) and msg.round == sent.pull.round
-                  and sent.base_version == state.version)
+        merged = sent is not None and sent.base_version == state.version and (
+            (bool(msg.flags & BCAST_MERGED) and msg.round == sent.pull.round) or msg.version > sent.base_version + 1)
         base = state.anchor
         if merged:
             assert sent is not None
             base = state.anchor + self._as_merged(sent.delta)
         fragment = self.layout.fragments[index]
-        self.store.install(fragment, values + (self._gather(index) - base), 0.0)
+        ahead = self._gather(index).sub_(base)
+        if nonfinite_tensor(fragment, ahead) is not None:
+            ahead.zero_()  # training diverged here: Θ replaces the diverged values, as an overwrite does
+        self.store.install(fragment, ahead.add_(values), 0.0)
         state.anchor = values
         self.stats.rebases += int(merged)
         return merged

@@ -320,3 +320,19 @@ def test_a_ledger_key_that_names_no_learner_is_refused(tmp_path: Path) -> None:
     save_checkpoint(path, state)
     with pytest.raises(CheckpointError, match="malformed 'yeto' metadata"):
         load_checkpoint(path)
+
+
+def test_the_learners_each_fragment_last_merged_round_trip(tmp_path: Path) -> None:
+    # What a reconnecting learner that rebases (overlap) is told of its last push.
+    state = make_state()
+    state.merged_by = [(9, [0, 2]), (7, [1]), (-1, [])]
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    assert load_checkpoint(path).merged_by == [(9, [0, 2]), (7, [1]), (-1, [])]
+    state.merged_by = []  # a checkpoint from before it was kept
+    save_checkpoint(path, state)
+    assert load_checkpoint(path).merged_by == []
+    state.merged_by = [(9, [0])]  # one entry for three fragments
+    save_checkpoint(path, state)
+    with pytest.raises(CheckpointError, match="malformed"):
+        load_checkpoint(path)

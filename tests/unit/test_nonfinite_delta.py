@@ -16,8 +16,8 @@ from yeto_core.wire.messages import BCAST_FULL, Bcast, Pull
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
-def session(a: torch.Tensor, b: torch.Tensor) -> tuple[LearnerSession, list[PushJob]]:
-    config = LearnerSettings(syncer="127.0.0.1:9", key="k" * 32, sync_interval=2, merge_alpha=0.0)
+def session(a: torch.Tensor, b: torch.Tensor, overlap: bool = False) -> tuple[LearnerSession, list[PushJob]]:
+    config = LearnerSettings(syncer="127.0.0.1:9", key="k" * 32, sync_interval=2, merge_alpha=0.0, overlap=overlap)
     s = LearnerSession(config, [("a", a), ("b", b)])
     s._layout_for(1, "binpack")
     jobs: list[PushJob] = []
@@ -35,10 +35,12 @@ def bcast(s: LearnerSession, version: int, round_id: int, values: torch.Tensor) 
     s._install_bcasts()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["overwrite", "overlap"])
 def test_a_poisoned_delta_is_not_pushed_and_the_next_broadcast_heals_the_fragment(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], overlap: bool) -> None:
+    # Overlap rebases θ ← Θ + (θ − anchor): the diverged progress is dropped, not carried into Θ.
     a, b = torch.zeros(3), torch.zeros(4)
-    s, jobs = session(a, b)
+    s, jobs = session(a, b, overlap)
     bcast(s, 0, 0, torch.ones(7))
     s._accept(Received(Pull(0, 1, 0, 0)))
     s.step(tokens=8)
