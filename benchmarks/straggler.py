@@ -29,7 +29,6 @@ much: the absolute figures move with the machine and with whatever else runs on 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.procs import stop
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 
@@ -138,18 +138,6 @@ def start_syncer(workdir: Path, key_file: Path, quorum: int, grace_ms: int,
         time.sleep(0.05)
     stop(proc)
     raise SystemExit(f"the syncer did not start:\n{(workdir / f'syncer-{tag}.err').read_text(errors='replace')}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(OSError):
-            proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(OSError):
-                proc.kill()
-            proc.wait(timeout=10)
 
 
 def run_arm(name: str, quorum: int, args: argparse.Namespace, workdir: Path, key_file: Path) -> Arm:

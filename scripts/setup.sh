@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs yeto with the HF, LoRA, Megatron, DeepSpeed and dev extras.
+# Creates .venv (if missing) and installs yeto with the HF, LoRA, Megatron, DeepSpeed, plot and dev extras.
 # torch is pinned first: 2.13.0 is the CPU build; the project's torch range accepts it,
 # so pip does not pull another torch afterwards. Users on GPU machines keep their own torch.
 set -euo pipefail
@@ -14,5 +14,5 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,megatron,deepspeed,dev]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,megatron,deepspeed,plot,dev]"
 echo "$want" >"$stamp"

@@ -1,6 +1,8 @@
 """The benchmarks still run end to end (tiny sizes; speed is not checked here, only that each
 prints its closing ratio line)."""
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,25 @@ def test_chaos_runs() -> None:
     assert rows["syncer restarts"] == ["0", "1"], out.stdout
     assert rows["SIGSTOPs"] == ["0", "1"], out.stdout
     assert int(rows["learner SIGKILLs"][0]) == 0 < int(rows["learner SIGKILLs"][1]), out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_compare_diloco_quick_runs(tmp_path: Path) -> None:
+    # The convergence benchmark's quick mode, shortened: it runs, and its JSON and figure are sane.
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compare_diloco", "--quick", "--steps", "36",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("ratio yeto-default/dp eval loss = "), out.stdout[-2000:]
+    data = json.loads((tmp_path / "compare_diloco.json").read_text())
+    assert set(data["runs"]) == {"dp", "alone", "yeto-default"}, data["runs"].keys()
+    runs = {name: rs[0] for name, rs in data["runs"].items()}
+    for name, run in runs.items():
+        first = run["curve"][0][1]
+        assert math.isfinite(run["final_loss"]) and 0 < run["final_loss"] < first, (name, run["final_loss"], first)
+        assert run["steps"] == 36, (name, run["steps"])
+    assert runs["dp"]["tokens"] == runs["yeto-default"]["tokens"] == 2 * runs["alone"]["tokens"]
+    assert runs["yeto-default"]["rounds"] == 36 // 6  # lockstep: one round per boundary, H/P = 6 steps
+    summary = data["summary"]
+    ratio = runs["yeto-default"]["final_loss"] / runs["dp"]["final_loss"]
+    assert summary["yeto-default"]["ratio_dp"] == pytest.approx(ratio)
+    assert (tmp_path / "compare_diloco.png").stat().st_size > 10_000

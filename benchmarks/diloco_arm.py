@@ -1,0 +1,359 @@
+"""One arm of `compare_diloco.py` for one seed: train, evaluate, report as JSON.
+
+    python -m benchmarks.diloco_arm '{"arm": {...}, "shape": {...}, "seed": 0, "workdir": "..."}'
+
+Three kinds of arm, all on the main job's data (byte tokens of Python's English help texts,
+`examples/hf_tiny_llama.py`) and a Llama built from a config:
+
+* `dp` — synchronous data parallel: one model, global batch M·b, M·b sequences per step;
+* `alone` — one island, batch b, on shard 0 of M (what an island reaches without the others);
+* `yeto` — M islands, batch b each, each on its own shard, joined by the real syncer
+  (`python -m syncer` in a subprocess on 127.0.0.1) through real `LearnerSession`s.
+
+Every arm takes the same number of optimizer steps, so `dp` and `yeto` train on equal tokens.
+The yeto islands run with `YETO_DILOCO_LOCKSTEP=1` and are stepped in one thread in a fixed
+order, with a syncer that waits for every learner: round k is answered at boundary k and merged
+into every island at the next step, so the same seed gives the same numbers bit for bit however
+loaded the machine is. The inner loop is the HF Trainer's defaults as the example sets them
+(AdamW, no weight decay, gradient clipping at 1.0, constant learning rate after a linear warmup).
+
+The global model's held-out loss is taken along the way from the fragments' anchors (the merged
+values every island last installed, identical on all of them) and at the end from the final
+cut every island installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.procs import stop
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$")
+FRAGMENTS = 4
+EVAL_BATCH = 32
+CURVE_POINTS = 8
+
+
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_tiny_llama", ROOT / "examples" / "hf_tiny_llama.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model, data and step budget every arm of a comparison shares."""
+
+    hidden: int = 128
+    layers: int = 2
+    seq_len: int = 64
+    batch: int = 16  # b: sequences per island and step
+    steps: int = 288  # optimizer steps of every arm
+    lr: float = 1.5e-3  # where dp does best at this shape: 1e-3, 2e-3 and 3e-3 gave it 2-8% more loss
+    warmup: int = 20  # then constant, as the example's Trainer runs
+    lora_r: int = 8  # LoRA arms: adapter rank on the attention's four projections
+    lora_lr: float = 3e-3
+    lora_base_steps: int = 144  # LoRA arms start from the full model trained this long (dp, batch 2b)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training. `learner` holds `LearnerSettings` fields, `syncer` extra syncer flags:
+    only what differs from the shipped defaults."""
+
+    name: str
+    kind: str  # "dp" | "alone" | "yeto"
+    learners: int = 2  # M
+    lora: bool = False
+    learner: dict[str, Any] = field(default_factory=dict)
+    syncer: list[str] = field(default_factory=list)
+    note: str = ""
+    in_default_run: bool = True  # False: only when named by --arms
+
+
+def lr_factor(shape: Shape, step: int) -> float:
+    """The learning rate of optimizer step `step` (from 0) as a share of `lr`: a linear warmup, then
+    constant (HF's `constant_with_warmup`)."""
+    return min(1.0, (step + 1) / (shape.warmup + 1))
+
+
+class Trainee:
+    """One model with its optimizer, schedule and its shard's batches (the inner loop)."""
+
+    def __init__(self, model: torch.nn.Module, blocks: torch.Tensor, batch: int, lr: float, shape: Shape,
+                 seed: int) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.batch = batch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, partial(lr_factor, shape))
+        self.order = self._order(torch.Generator().manual_seed(seed))
+
+    def _order(self, gen: torch.Generator) -> Iterator[torch.Tensor]:
+        while True:  # a fresh permutation of the shard every epoch, as a shuffling sampler does
+            perm = torch.randperm(len(self.blocks), generator=gen)
+            for start in range(0, len(perm) - self.batch + 1, self.batch):
+                yield perm[start : start + self.batch]
+
+    def step(self) -> int:
+        """One optimizer step; returns the tokens it trained on."""
+        x = self.blocks[next(self.order)]
+        loss = self.model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return x.numel()
+
+
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, blocks: torch.Tensor) -> float:
+    """Mean next-token loss (nats/token) over `blocks`, in batches of EVAL_BATCH."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), EVAL_BATCH):
+        x = blocks[start : start + EVAL_BATCH]
+        total += float(model(input_ids=x, labels=x).loss) * len(x)
+        count += len(x)
+    model.train()
+    return total / count
+
+
+class Run:
+    """What one arm needs: the data, the base model and the work directory."""
+
+    def __init__(self, arm: Arm, shape: Shape, seed: int, workdir: Path) -> None:
+        self.arm, self.shape, self.seed, self.workdir = arm, shape, seed, workdir
+        self.example = _example()
+        m = arm.learners
+        self.shards = [self.example.splits(shape.seq_len, i, m)[0].blocks for i in range(m)]
+        self.held_out = self.example.splits(shape.seq_len, 0, 1)[1].blocks
+        self.everything = self.example.splits(shape.seq_len, 0, 1)[0].blocks
+        self.curve: list[tuple[int, float]] = []
+
+    def model(self) -> torch.nn.Module:
+        s = self.shape
+        model = self.example.build_model(argparse.Namespace(hidden=s.hidden, layers=s.layers, seq_len=s.seq_len,
+                                                            seed=self.seed))
+        if not self.arm.lora:
+            return model
+        model.load_state_dict(self._lora_base())
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        torch.manual_seed(self.seed)  # the adapters start alike on every island
+        return get_peft_model(model, LoraConfig(r=s.lora_r, lora_alpha=2 * s.lora_r, lora_dropout=0.0,
+                                                target_modules=targets))
+
+    def _lora_base(self) -> dict[str, torch.Tensor]:
+        """The full model trained `lora_base_steps` data-parallel steps: the start of every LoRA arm
+        of this seed, made once per seed and shared through a file (the first arm writes it)."""
+        s = self.shape
+        path = self.workdir / f"lora-base-{s.hidden}x{s.layers}-seq{s.seq_len}-{s.lora_base_steps}-seed{self.seed}.pt"
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                return torch.load(path, weights_only=True)
+            base = self.example.build_model(argparse.Namespace(hidden=s.hidden, layers=s.layers,
+                                                               seq_len=s.seq_len, seed=self.seed))
+            trainee = Trainee(base, self.everything, 2 * s.batch, s.lr, replace(s, steps=s.lora_base_steps),
+                              seed=10_000 + self.seed)
+            for _ in range(s.lora_base_steps):
+                trainee.step()
+            state = {k: v.detach().clone() for k, v in base.state_dict().items()}
+            torch.save(state, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+            return state
+
+    def curve_steps(self) -> set[int]:
+        n = self.shape.steps
+        return {round(n * i / CURVE_POINTS) for i in range(1, CURVE_POINTS)}
+
+    # -- the arms ------------------------------------------------------------------------------
+    def single(self, batch: int, blocks: torch.Tensor, tokens_per_step_scale: int = 1) -> dict[str, Any]:
+        s = self.shape
+        model = self.model()
+        trainee = Trainee(model, blocks, batch, s.lora_lr if self.arm.lora else s.lr, s, seed=self.seed)
+        self.curve.append((0, eval_loss(model, self.held_out)))
+        tokens = 0
+        points = self.curve_steps()
+        for step in range(1, s.steps + 1):
+            tokens += trainee.step()
+            if step in points:
+                self.curve.append((tokens, eval_loss(model, self.held_out)))
+        return {"final_loss": eval_loss(model, self.held_out), "tokens": tokens, "steps": s.steps}
+
+    def dp(self) -> dict[str, Any]:
+        return self.single(self.arm.learners * self.shape.batch, self.everything)
+
+    def alone(self) -> dict[str, Any]:
+        return self.single(self.shape.batch, self.shards[0])
+
+    def yeto(self) -> dict[str, Any]:
+        from yeto_core.learner import LearnerSession
+        from yeto_core.settings import LearnerSettings, load_settings
+        from yeto_plugins.hf.callback import embedding_names, synced_parameters
+
+        s, m = self.shape, self.arm.learners
+        key_file = self.workdir / f"{self.arm.name}-seed{self.seed}.key"
+        key_file.write_text(secrets.token_hex(32))
+        Path(self.workdir / f"{self.arm.name}-seed{self.seed}.tape").unlink(missing_ok=True)
+        prefix = self.workdir / f"{self.arm.name}-seed{self.seed}"
+        syncer = start_syncer(prefix, key_file, m, self.arm.syncer)  # it starts while the models are built
+        sessions: list[LearnerSession] = []
+        try:
+            lr = s.lora_lr if self.arm.lora else s.lr
+            trainees = [Trainee(self.model(), self.shards[i], s.batch, lr, s, seed=self.seed * 1000 + i)
+                        for i in range(m)]
+            address = listening(syncer, prefix)
+            for i, trainee in enumerate(trainees):
+                model = trainee.model
+                settings = load_settings(LearnerSettings, syncer=address, key_file=key_file, learner_id=i,
+                                         lockstep=True, **self.arm.learner)
+                sessions.append(LearnerSession(settings, synced_parameters(model, settings.tuning),
+                                               embedding_names=embedding_names(model)))
+            together([session.start for session in sessions])
+            viewer = copy.deepcopy(trainees[0].model)
+            self.curve.append((0, self._global_loss(sessions[0], viewer)))
+            tokens = 0
+            points = self.curve_steps()
+            for step in range(1, s.steps + 1):
+                for trainee, session in zip(trainees, sessions, strict=True):
+                    n = trainee.step()
+                    tokens += n
+                    if session.step(n):
+                        raise RuntimeError(f"{self.arm.name}: the syncer finalized at step {step} of {s.steps}")
+                if step in points:
+                    self.curve.append((tokens, self._global_loss(sessions[0], viewer)))
+            finals = together([session.finish for session in sessions])
+        finally:
+            for session in sessions:
+                session.close()
+            stop(syncer)
+            if syncer.stdout is not None:
+                syncer.stdout.close()
+        if not all(finals):
+            raise RuntimeError(f"{self.arm.name}: not every island installed the final cut: {finals}")
+        misses = sum(session.stats.lockstep_misses for session in sessions)
+        if misses:
+            raise RuntimeError(f"{self.arm.name}: {misses} lockstep waits ran out of time; the run is not reproducible")
+        first = trainees[0].model.state_dict()
+        for n, trainee in enumerate(trainees[1:], 1):
+            for name, value in trainee.model.state_dict().items():
+                if not torch.equal(value, first[name]):
+                    raise RuntimeError(f"{self.arm.name}: island {n}'s {name} differs from island 0's final cut")
+        commits = [r for r in read_tape(self.workdir / f"{self.arm.name}-seed{self.seed}.tape")
+                   if r.get("event") == "commit"]
+        return {"final_loss": eval_loss(trainees[0].model, self.held_out), "tokens": tokens, "steps": s.steps,
+                "rounds": len(commits), "pushes": sum(session.client.pushes_sent for session in sessions),
+                "bytes_pushed": sum(session.client.bytes_pushed for session in sessions)}
+
+    def _global_loss(self, session: Any, viewer: torch.nn.Module) -> float:
+        """Held-out loss of the global model: the merged value of every fragment, as installed."""
+        params = dict(viewer.named_parameters())
+        with torch.no_grad():
+            for fragment, state in zip(session.layout.fragments, session.fragments, strict=True):
+                for slot in fragment.slots:
+                    params[slot.name].copy_(state.anchor[slot.offset : slot.offset + slot.numel].view(slot.shape))
+        return eval_loss(viewer, self.held_out)
+
+
+def together(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run the calls on threads of their own (learner 0's INIT, a final cut every island waits for)."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def read_tape(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_syncer(prefix: Path, key_file: Path, learners: int, extra: list[str]) -> subprocess.Popen:
+    """The real syncer on 127.0.0.1 (a free port), waiting for every learner, rounds unthrottled
+    (the islands' lockstep sets the pace); the tape goes to `prefix`.tape."""
+    argv = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", str(learners),
+            "--quorum", str(learners), "--fragments", str(FRAGMENTS), "--device", "cpu",
+            "--sync-interval-steps", "0", "--tape", f"{prefix}.tape", "--key-file", str(key_file),
+            "--final-timeout-s", "30", "--log-level", "WARNING", *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(f"{prefix}.syncer.log", "wb") as err:
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
+
+
+def listening(proc: subprocess.Popen, prefix: Path, timeout_s: float = 60.0) -> str:
+    """The syncer's HOST:PORT once it prints its listening line; it is stopped if it does not."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode(errors="replace")
+        match = LISTENING.match(line)
+        if match:
+            return f"{match.group(1)}:{match.group(2)}"
+        if not line and proc.poll() is not None:
+            break
+    stop(proc)
+    raise RuntimeError(f"the syncer did not start: {Path(f'{prefix}.syncer.log').read_text(errors='replace')[-2000:]}")
+
+
+def run_arm(arm: Arm, shape: Shape, seed: int, workdir: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    run = Run(arm, shape, seed, workdir)
+    out = getattr(run, arm.kind)()
+    return {"arm": arm.name, "seed": seed, **out, "curve": run.curve, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = json.loads((argv or sys.argv[1:])[0])
+    arm = Arm(**job["arm"])
+    result = run_arm(arm, Shape(**job["shape"]), int(job["seed"]), Path(job["workdir"]))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["Arm", "Shape", "asdict", "run_arm"]
