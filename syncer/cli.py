@@ -42,14 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tape", type=Path, help="JSONL event tape of every commit")
     add("--key-file", type=Path, help="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
     add("--device", help="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
-    add("--outer-lr", type=float, help="Nesterov outer learning rate (default 0.7)")
-    add("--outer-momentum", type=float, help="Nesterov outer momentum (default 0.9)")
+    add("--outer-lr", type=float, help="Nesterov outer learning rate (default 0.5)")
+    add("--outer-momentum", type=float, help="Nesterov outer momentum (default 0.5)")
     add("--outer-optimizer", choices=["nesterov", "delayed-nesterov"], help="outer optimizer (default nesterov)")
     add("--outer-delay", type=int, help="N of delayed Nesterov: the momentum moves every N steps (default 4)")
     add("--merge", choices=["rda", "average"], help="merge of non-embedding tensors: radial-directional "
         "averaging (rda, default) or the plain weighted average (the embedding is always averaged)")
     add("--delta-correction", choices=["heloco", "none"],
-        help="correct deltas that oppose the outer momentum (HeLoCo, default) or not")
+        help="correct deltas that oppose the outer momentum (HeLoCo) or not (default)")
     add("--decode-threads", type=int, help="threads that decode pushes beside the coordinator (default 2)")
     add("--merge-threads", type=int, help="CPU merge threads; every count gives the same bits (default 1)")
     add("--round-timeout-s", type=float, help="a round below quorum is retried after this (default 120)")

@@ -416,7 +416,7 @@ def nesterov_step(
     *,
     scratch: torch.Tensor | None = None,
 ) -> None:
-    """One outer Nesterov step in place (DiLoCo's outer optimizer; lr 0.7, momentum 0.9).
+    """One outer Nesterov step in place (DiLoCo's outer optimizer, with its stock lr 0.7 and momentum 0.9).
 
     The same arithmetic, op for op, as ``torch.optim.SGD(nesterov=True, dampening=0)``:
     momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum), with g = ``outer_grad``.

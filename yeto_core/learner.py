@@ -13,9 +13,11 @@ once per optimizer step. The session never blocks a step on the network:
   older than the version the pull names (its BCAST has not been installed yet).
 * **Background sender.** The delta is computed on the training thread (one memory pass); the
   client's sender thread encodes and streams it.
-* **Installing.** A BCAST is blended, θ ← α·θ_local + (1−α)·Θ (`merge_alpha`), into the
-  parameter in place (optimizer moments untouched); the anchor becomes Θ. The very first cut
-  overwrites, so every learner starts from learner 0's initial weights.
+* **Installing.** A BCAST is installed in place (optimizer moments untouched) by rebasing,
+  θ ← Θ + (θ − θ at the push) (`overlap`, the default: the steps trained while the round was in
+  flight are kept), or by blending, θ ← α·θ_local + (1−α)·Θ (`merge_alpha`, 0: overwrite); the
+  anchor becomes Θ. The very first cut overwrites, so every learner starts from learner 0's
+  initial weights.
 * **Lockstep** (`lockstep`, for reproducible experiments). Boundary k waits for the PULL of
   round k, and the next step waits for that round's BCAST: the schedule is a function of steps.
 * **Finalization.** When all P FINAL cuts are in, they are installed exactly (no blending) and

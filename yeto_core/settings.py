@@ -59,7 +59,8 @@ class LearnerSettings(BaseSettings):
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key")
     learner_id: int = Field(default=0, ge=0, lt=2**32, description="this island's id; learner 0 sends INIT")
     sync_interval: int = Field(default=24, ge=1, description="H: inner steps per fragment round trip")
-    merge_alpha: float = Field(default=0.5, ge=0.0, le=1.0, description="θ ← α·θ_local + (1−α)·Θ_global")
+    merge_alpha: float = Field(default=0.0, ge=0.0, le=1.0, description="without overlap, install "
+                               "θ ← α·θ_local + (1−α)·Θ_global (0: overwrite)")
     wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
         default="f32", description="dtype of pushed deltas (the block-quantized ones use push_block)")
     push_block: int = Field(default=128, ge=1, le=1 << 20, description="values per scale of quantized pushes")
@@ -84,7 +85,7 @@ class LearnerSettings(BaseSettings):
                                   description="multi-rank islands: MiB of a fragment moved between ranks at a time")
     collective_timeout_s: float = Field(default=300.0, gt=0,
                                         description="multi-rank islands: deadline of one wait on the other ranks")
-    overlap: bool = Field(default=False, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
+    overlap: bool = Field(default=True, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
                                                       "instead of blending with merge_alpha")
     blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
                                                   "'embedding', 'head', 'layers:N' (the first N layers) or indices")
@@ -148,13 +149,16 @@ class SyncerSettings(BaseSettings):
     key: SecretStr | None = None
     key_file: Path | None = None
     device: str = Field(default="auto", description="merge device: auto | cpu | cuda | cuda:N")
-    outer_lr: float = Field(default=0.7, gt=0)
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    # Measured by benchmarks/compare_diloco.py (README "Does it learn?"): DiLoCo's stock 0.7/0.9
+    # over-drives the strongly correlated deltas of a few dozen inner steps.
+    outer_lr: float = Field(default=0.5, gt=0)
+    outer_momentum: float = Field(default=0.5, ge=0, lt=1)
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = "nesterov"
     outer_delay: int = Field(default=4, ge=1, description="N of delayed Nesterov: momentum moves every N steps")
     merge: Literal["rda", "average"] = Field(default="rda", description="non-embedding tensors: radial-directional "
                                              "averaging (rda) or the plain weighted average")
-    delta_correction: Literal["heloco", "none"] = Field(default="heloco", description="stale-delta correction")
+    delta_correction: Literal["heloco", "none"] = Field(default="none", description="stale-delta correction "
+                                                        "(HeLoCo measured no better in compare_diloco)")
     merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
     decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")
     round_timeout_s: float = Field(default=120.0, gt=0, description="a round below quorum retries after this")

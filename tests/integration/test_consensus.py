@@ -24,7 +24,7 @@ def run(procs: Procs, key_file: Path, merge_alpha: float, tag: str) -> tuple[lis
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=FRAGMENTS, total_rounds=ROUNDS,
                           tape_name=f"tape-{tag}.jsonl", checkpoint_name=None)
     learners = [start_learner(procs, syncer, key_file, i, max_steps=3000, name=f"{tag}{i}", consensus_every=1,
-                              merge_alpha=merge_alpha) for i in range(2)]
+                              merge_alpha=merge_alpha, overlap="false") for i in range(2)]
     assert wait_all(learners, timeout=100) == [0, 0], procs.tails()
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
     assert "consensus JS" in syncer.proc.stderr() + syncer.proc.stdout(), syncer.proc.tail()

@@ -48,3 +48,17 @@ def test_an_unknown_merge_is_refused_with_the_setting_named() -> None:
     with pytest.raises(SettingsError, match="--merge='iso'"):
         load_settings(SyncerSettings, flags=True, merge="iso")
 
+
+def test_the_shipped_outer_step_against_a_hand_reference() -> None:
+    from syncer.outer import make_outer_optimizer
+
+    s = SyncerSettings()
+    assert (s.merge, s.outer_optimizer, s.outer_lr, s.outer_momentum) == ("rda", "nesterov", 0.5, 0.5)
+    outer = make_outer_optimizer(s.outer_optimizer, lr=s.outer_lr, momentum=s.outer_momentum, delay=s.outer_delay)
+    param, momentum = torch.tensor([1.0, -2.0]), torch.zeros(2)
+    outer.step(param, momentum, torch.tensor([0.5, 0.25]), {})
+    # m = g = [0.5, 0.25]; θ −= 0.5·(g + 0.5·m) = 0.5·[0.75, 0.375]
+    assert param.tolist() == [0.625, -2.1875] and momentum.tolist() == [0.5, 0.25]
+    outer.step(param, momentum, torch.tensor([-0.25, 0.5]), {})
+    # m = 0.5·[0.5, 0.25] + [−0.25, 0.5] = [0, 0.625]; θ −= 0.5·([−0.25, 0.5] + 0.5·m) = 0.5·[−0.25, 0.8125]
+    assert param.tolist() == [0.75, -2.59375] and momentum.tolist() == [0.0, 0.625]
