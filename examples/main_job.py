@@ -1,12 +1,14 @@
 """The main job: a local syncer and two HF learners train one small Llama on this machine's CPU.
 
-    python examples/main_job.py [--rounds 48] [--max-steps 400] [--run-dir runs/main-job]
+    python examples/main_job.py [--max-steps 240] [--no-baseline] [--run-dir runs/main-job]
 
 It starts `python -m syncer` on 127.0.0.1 (a free port) and two `examples/hf_tiny_llama.py`
-islands, each on its own shard of English text, shows rounds committed and each learner's loss
-while they train, and ends with the final global model's held-out loss next to each learner's
-first one, after checking that both learners hold bit-identical final weights equal to the
-syncer's final checkpoint. Logs and outputs stay in the run directory.
+islands, each on its own shard of English text, for `--max-steps` steps each; beside them, one
+island alone (`--no-sync`, learner 0's shard, as many steps) is what an island reaches without the
+others. It shows rounds committed and each process's loss while they train, and ends with the
+final global model's held-out loss next to the lone island's, after checking that both learners
+hold bit-identical final weights equal to the syncer's final checkpoint. Logs and outputs stay in
+the run directory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 LEARNERS = 2
+FRAGMENTS = 4
 
 
 class Learner:
@@ -58,11 +61,15 @@ class Learner:
             elif ev.get("event") == "eval" and ev.get("phase") == "final":
                 self.final_eval, self.final_cut, self.step = ev["loss"], ev["final_cut"], ev["steps"]
 
+    @property
+    def name(self) -> str:
+        return "alone" if self.index < 0 else f"learner {self.index}"
+
     def status(self) -> str:
         if self.first_eval is None:
-            return f"learner {self.index}: starting"
+            return f"{self.name}: starting"
         loss = "   -  " if self.loss is None else f"{self.loss:6.3f}"
-        return f"learner {self.index}: step {self.step:4d} loss {loss}"
+        return f"{self.name}: step {self.step:4d} loss {loss}"
 
 
 def committed_rounds(tape: Path) -> int:
@@ -71,11 +78,11 @@ def committed_rounds(tape: Path) -> int:
     return sum(1 for line in tape.read_text().splitlines() if '"event": "commit"' in line)
 
 
-def start_syncer(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+def start_syncer(run: Path) -> tuple[subprocess.Popen[str], str]:
+    # No round budget: the syncer finalizes once both learners have trained their steps.
     cmd = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", str(LEARNERS),
-           "--quorum", str(LEARNERS), "--fragments", "4", "--total-rounds", str(args.rounds),
-           "--checkpoint", str(run / "syncer.ckpt"), "--tape", str(run / "tape.jsonl"),
-           "--key-file", str(run / "key")]
+           "--quorum", str(LEARNERS), "--fragments", str(FRAGMENTS), "--checkpoint", str(run / "syncer.ckpt"),
+           "--tape", str(run / "tape.jsonl"), "--key-file", str(run / "key")]
     log = open(run / "syncer.log", "w")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
@@ -89,15 +96,19 @@ def start_syncer(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[
     raise SystemExit(f"the syncer did not start; see {run / 'syncer.log'}")
 
 
-def start_learner(i: int, run: Path, address: str, args: argparse.Namespace) -> Learner:
-    out_dir = run / f"learner{i}"
-    env = dict(os.environ, YETO_DILOCO_SYNCER=address, YETO_DILOCO_KEY_FILE=str(run / "key"),
-               YETO_DILOCO_LEARNER_ID=str(i), PYTHONUNBUFFERED="1")
+def start_learner(i: int, run: Path, address: str | None, args: argparse.Namespace) -> Learner:
+    """Learner `i` of the run; with no `address`, the lone island: learner 0's shard, no syncer."""
+    name = f"learner{i}" if address else "alone"
+    out_dir = run / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_DILOCO_")}
+    env.update(YETO_DILOCO_LEARNER_ID=str(i), PYTHONUNBUFFERED="1")
+    if address:
+        env.update(YETO_DILOCO_SYNCER=address, YETO_DILOCO_KEY_FILE=str(run / "key"))
     cmd = [sys.executable, str(ROOT / "examples" / "hf_tiny_llama.py"), "--output-dir", str(out_dir),
-           "--max-steps", str(args.max_steps)]
-    err = open(run / f"learner{i}.log", "w")  # noqa: SIM115 - lives as long as the process
+           "--max-steps", str(args.max_steps), "--num-shards", str(LEARNERS), *([] if address else ["--no-sync"])]
+    err = open(run / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    return Learner(i, proc, out_dir)
+    return Learner(i if address else -1, proc, out_dir)
 
 
 def compare_weights(run: Path, learners: list[Learner]) -> tuple[bool, str]:
@@ -121,8 +132,9 @@ def compare_weights(run: Path, learners: list[Learner]) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=48, help="fragment rounds before the syncer finalizes")
-    p.add_argument("--max-steps", type=int, default=400, help="each learner's own step limit")
+    p.add_argument("--max-steps", type=int, default=240, help="optimizer steps of each learner and of the lone island")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="train one island alone beside them, for as many steps (default: yes)")
     p.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "main-job")
     p.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     args = p.parse_args(argv)
@@ -132,22 +144,26 @@ def main(argv: list[str] | None = None) -> int:
     run.mkdir(parents=True)
     (run / "key").write_text(secrets.token_hex(32))
     t0 = time.monotonic()
-    print(f"yeto main job: a syncer and {LEARNERS} HF learners on this machine (logs in {run})", flush=True)
+    alone = " and one island alone" if args.baseline else ""
+    print(f"yeto main job: a syncer, {LEARNERS} HF learners{alone} on this machine (logs in {run})", flush=True)
     procs: list[subprocess.Popen[str]] = []
+    rounds_each = args.max_steps // (24 // FRAGMENTS)  # a boundary every H/P steps, H = 24
     try:
-        syncer, address = start_syncer(run, args)
+        syncer, address = start_syncer(run)
         procs.append(syncer)
-        print(f"syncer listening on {address}: {args.rounds} fragment rounds, 4 fragments, quorum {LEARNERS}",
-              flush=True)
+        print(f"syncer listening on {address}: {LEARNERS} learners x {args.max_steps} steps, {FRAGMENTS} fragments, "
+              f"quorum {LEARNERS}", flush=True)
         learners = [start_learner(i, run, address, args) for i in range(LEARNERS)]
-        procs += [ln.proc for ln in learners]
+        baseline = start_learner(0, run, None, args) if args.baseline else None
+        watched = learners + ([baseline] if baseline else [])
+        procs += [ln.proc for ln in watched]
         last = ""
         while any(proc.poll() is None for proc in procs):
             elapsed = time.monotonic() - t0
             if elapsed > args.timeout:
                 raise SystemExit(f"timed out after {args.timeout:.0f} s")
-            line = " | ".join([f"rounds {committed_rounds(run / 'tape.jsonl'):3d}/{args.rounds}",
-                               *(ln.status() for ln in learners)])
+            line = " | ".join([f"rounds {committed_rounds(run / 'tape.jsonl'):3d}/~{rounds_each}",
+                               *(ln.status() for ln in watched)])
             if line != last:
                 print(f"[{elapsed:5.0f}s] {line}", flush=True)
                 last = line
@@ -168,15 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - t0
     print("\n== result ==")
     if any(codes):
-        print(f"exit codes: syncer {codes[0]}, learners {codes[1:]}; see the logs in {run}")
+        print(f"exit codes: syncer {codes[0]}, learners {codes[1:1 + LEARNERS]}"
+              f"{f', alone {codes[-1]}' if baseline else ''}; see the logs in {run}")
         return 1
     same, detail = compare_weights(run, learners)
     final = learners[0].final_eval
+    assert final is not None
     print("held-out eval loss (bytes of English text, nats/token), first -> final global model:")
     for ln in learners:
         print(f"  learner {ln.index}: first {ln.first_eval:.3f} -> final {ln.final_eval:.3f} "
               f"(steps {ln.step}, final cut installed: {ln.final_cut})")
     print(f"final global model: eval loss {final:.3f}, {committed_rounds(run / 'tape.jsonl')} rounds committed")
+    if baseline is not None and baseline.final_eval is not None:
+        ratio = final / baseline.final_eval
+        print(f"one island alone, the same {baseline.step} steps on learner 0's shard: eval loss "
+              f"{baseline.final_eval:.3f}")
+        print(f"what yeto buys: global model / island alone = {ratio:.3f} "
+              f"({baseline.final_eval - final:+.3f} nats/token {'better' if final < baseline.final_eval else 'worse'})")
     if same and all(ln.final_cut for ln in learners):
         print(f"final weights: learner 0 == learner 1 == syncer checkpoint, bit for bit ({detail})")
     else:
