@@ -15,6 +15,7 @@ import torch
 from syncer.checkpoint import CheckpointError, SyncerState, last_generations, load_checkpoint
 from syncer.commit import payload_screen
 from syncer.coordinator import Coordinator
+from syncer.gate import default_cap
 from syncer.links import backend_id
 from syncer.server import SyncerServer
 from syncer.tape import EventTape
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fragment every N versions (default 8)")
     add("--wan-stream-schedule", choices=["rr", "adaptive"], help="stripe chunks round-robin (default) or to the "
         "data stream with the earliest estimated finish")
+    add("--handshake-timeout-s", type=float, help="deadline of a whole handshake, from accept until the key is "
+        "proven (default 10)")
+    add("--max-handshakes", type=int, help="unauthenticated connections at once; at the cap the oldest (open over "
+        "2 s) or the newcomer is closed (default 0: 64, or a quarter of the descriptor limit when lower)")
     add("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             host=settings.host, port=settings.port, key=key, num_fragments=settings.fragments,
             pattern=settings.pattern, post=coordinator.post, pinned_fingerprint=coordinator.pinned_fingerprint,
             max_payload=coordinator.max_payload, initial_cut_ready=coordinator.initial_cut_ready,
-            handshake_timeout_s=settings.handshake_timeout_s, heartbeat_s=settings.heartbeat_s,
+            handshake_timeout_s=settings.handshake_timeout_s,
+            max_handshakes=settings.max_handshakes or default_cap(), heartbeat_s=settings.heartbeat_s,
             peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout,
             schedule=settings.wan_stream_schedule,
             generations=last_generations(state.ledger) if state is not None else None,

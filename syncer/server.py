@@ -5,7 +5,9 @@ control stream answers HELLO; a data stream answers ATTACH with the token from W
 here touches global state: a finished group becomes a `Joined` event for the coordinator, and
 everything it receives becomes `Got` / `Left` events. Refusals (wrong key, layout, contract,
 malformed first frame) get one ERROR frame with the reason, then the socket is closed; the
-listener keeps serving everyone else.
+listener keeps serving everyone else. Until a connection proves the key, `gate.HandshakeGate`
+bounds it in number and time, and the accept loop outlives descriptor and thread exhaustion
+(retrying with backoff, logging once per burst).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from syncer.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, BurstLog, HandshakeGate, Unauthenticated
 from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
 from yeto_core.layout import build_layout
-from yeto_core.probe import serve_probe
+from yeto_core.probe import probe_authentic, serve_probe
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import (
@@ -43,6 +46,7 @@ log = logging.getLogger("yeto.syncer.server")
 MAX_PUSH_BLOCK = 1 << 20
 MAX_PROBES = 64
 PROBE_TIMEOUT_S = 300.0
+HOUSEKEEPING_S = 0.25  # how often the accept loop cuts late handshakes and expires pending groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +110,7 @@ class SyncerServer:
         max_payload: Callable[[], int],
         initial_cut_ready: Callable[[], bool],
         handshake_timeout_s: float = 10.0,
+        max_handshakes: int = 64,
         heartbeat_s: float = 2.0,
         peer_timeout_s: float = 30.0,
         stall_timeout_s: float = 0.0,
@@ -132,6 +137,12 @@ class SyncerServer:
         self._generations: dict[int, int] = dict(generations or {})
         self._pending: dict[bytes, _Pending] = {}
         self._probes = 0
+        self._gate = HandshakeGate(max_handshakes, handshake_timeout_s)
+        self._crowd = BurstLog(log, f"too many unauthenticated connections ({self._gate.cap} at once, "
+                               f"{self._gate.per_host} per address; --max-handshakes); closing the excess")
+        self._late = BurstLog(log, f"handshakes cut at their {handshake_timeout_s:g} s deadline")
+        self._accept_trouble = BurstLog(log, "accept() failing; retrying with backoff")
+        self._thread_trouble = BurstLog(log, "cannot start a handshake thread; closing the connection")
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -153,33 +164,67 @@ class SyncerServer:
 
     # -- accept / handshake --------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        self._listener.settimeout(0.5)
+        self._listener.settimeout(HOUSEKEEPING_S)
+        backoff = 0.0
+        next_housekeeping = 0.0
         while not self._stop.is_set():
+            if time.monotonic() >= next_housekeeping:
+                next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+                self._housekeeping()
             try:
                 sock, peer = self._listener.accept()
             except TimeoutError:
-                self._expire_pending()
                 continue
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(sock, peer), name=f"syncer-hs-{peer[1]}",
-                             daemon=True).start()
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...: never give up
+                if self._stop.is_set():
+                    return
+                backoff = min(ACCEPT_BACKOFF_MAX_S, max(ACCEPT_BACKOFF_MIN_S, 2 * backoff))
+                self._accept_trouble.hit(f"{exc}")
+                self._stop.wait(backoff)
+                continue
+            backoff = 0.0
+            self._admit(sock, str(peer[0]), f"{peer[0]}:{peer[1]}")
 
-    def _handshake(self, sock: socket.socket, peer: tuple[Any, ...]) -> None:
+    def _housekeeping(self) -> None:
+        self._expire_pending()
+        late = self._gate.expire()
+        if late:
+            self._late.hit(f"{len(late)} connection(s), first from {late[0].peer}")
+        for trouble in (self._crowd, self._late, self._accept_trouble, self._thread_trouble):
+            trouble.tick()
+
+    def _admit(self, sock: socket.socket, host: str, peer: str) -> None:
+        entry, evicted = self._gate.admit(sock, peer, host)
+        if evicted is not None:
+            self._crowd.hit(f"cut {evicted.peer} (open {time.monotonic() - evicted.started:.1f} s) to admit {peer}")
+        if entry is None:
+            self._crowd.hit(f"closed {peer} at once")
+            sock.close()
+            return
+        try:
+            threading.Thread(target=self._handshake, args=(entry,), name=f"syncer-hs-{peer}", daemon=True).start()
+        except RuntimeError as exc:  # "can't start new thread": out of memory or a task limit
+            self._gate.release(entry)
+            sock.close()
+            self._thread_trouble.hit(f"{exc} ({peer})")
+            self._stop.wait(ACCEPT_BACKOFF_MAX_S)
+
+    def _handshake(self, entry: Unauthenticated) -> None:
+        sock = entry.sock
         sock.settimeout(self._handshake_timeout_s)
-        stream = Stream(sock, f"{peer[0]}:{peer[1]}")
+        stream = Stream(sock, entry.peer)
         try:
             nonce = auth.new_nonce()
             stream.send_frame(Challenge(nonce, self._num_fragments, self._pattern))
             first = stream.read_message(max_body=64 * 1024)
             if isinstance(first, Hello):
                 tune_socket(sock, bulk=False)
-                self._on_hello(stream, nonce, first)
+                self._on_hello(stream, nonce, first, entry)
             elif isinstance(first, Attach):
                 tune_socket(sock, bulk=True)
-                self._on_attach(stream, nonce, first)
+                self._on_attach(stream, nonce, first, entry)
             elif isinstance(first, BwProbe):
-                self._on_probe(stream, nonce, first)
+                self._on_probe(stream, nonce, first, entry)
             else:
                 raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected HELLO or ATTACH, got {first.TYPE.name}")
         except HandshakeRefused as exc:
@@ -188,18 +233,31 @@ class SyncerServer:
                 stream.send_frame(Error(exc.code, exc.reason))
             linger_close(stream)
         except (WireError, OSError) as exc:
-            log.warning("handshake with %s failed: %s", stream.name, exc)
-            with contextlib.suppress(OSError):
-                stream.send_frame(Error(ErrorCode.PROTOCOL, f"handshake failed: {exc}"))
+            if entry.cut:  # the gate closed it; the gate's burst log has said so
+                log.debug("handshake with %s cut: %s", stream.name, exc)
+            else:
+                log.warning("handshake with %s failed: %s", stream.name, exc)
+                with contextlib.suppress(OSError):
+                    stream.send_frame(Error(ErrorCode.PROTOCOL, f"handshake failed: {exc}"))
             stream.close()
         except Exception as exc:  # a bug here must still answer the peer and free the socket
             log.exception("handshake with %s failed", stream.name)
             with contextlib.suppress(OSError):
                 stream.send_frame(Error(ErrorCode.PROTOCOL, f"syncer error during handshake: {exc}"))
             stream.close()
+        finally:
+            self._gate.release(entry)
 
-    def _on_probe(self, stream: Stream, nonce: bytes, request: BwProbe) -> None:
+    def _hand_over(self, entry: Unauthenticated) -> None:
+        """The connection is authenticated: the gate stops timing it, unless it already cut it."""
+        if not self._gate.release(entry):
+            raise WireError(f"handshake did not finish within {self._handshake_timeout_s:g} s")
+
+    def _on_probe(self, stream: Stream, nonce: bytes, request: BwProbe, entry: Unauthenticated) -> None:
         """A bandwidth probe: bounded in size (per message), count and time, never part of a session."""
+        if not probe_authentic(self._key, nonce, request):
+            raise HandshakeRefused(ErrorCode.AUTH, "HMAC check failed on a bandwidth probe: wrong key")
+        self._hand_over(entry)
         with self._lock:
             if self._probes >= MAX_PROBES:
                 raise HandshakeRefused(ErrorCode.REFUSED, f"more than {MAX_PROBES} bandwidth probes at once")
@@ -215,7 +273,7 @@ class SyncerServer:
             with self._lock:
                 self._probes -= 1
 
-    def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello) -> None:
+    def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello, entry: Unauthenticated) -> None:
         who = f"learner {hello.learner_id} ({stream.name})"
         if not auth.verify(self._key, hello.mac, auth.HELLO_LABEL, nonce, hello.signed_part()):
             raise HandshakeRefused(ErrorCode.AUTH, f"HMAC check failed for {who}: it does not hold the syncer's key")
@@ -244,6 +302,7 @@ class SyncerServer:
             stream.send_frame(Welcome(token, generation, self._initial_cut_ready(), mac))
             if hello.flags & HELLO_SENDS_MANIFEST:
                 pending.manifest, pending.bound = self._read_manifest(stream, hello)
+            self._hand_over(entry)
         except BaseException:
             with self._lock:
                 self._pending.pop(token, None)
@@ -269,7 +328,7 @@ class SyncerServer:
                                    "fingerprint it sent in HELLO")
         return manifest, max(f.numel for f in layout.fragments) * 4
 
-    def _on_attach(self, stream: Stream, nonce: bytes, attach: Attach) -> None:
+    def _on_attach(self, stream: Stream, nonce: bytes, attach: Attach, entry: Unauthenticated) -> None:
         with self._lock:
             pending = self._pending.get(attach.token)
         if pending is None:
@@ -277,6 +336,7 @@ class SyncerServer:
         if not auth.verify(self._key, attach.mac, auth.ATTACH_LABEL, nonce, attach.token, bytes([attach.index])):
             raise HandshakeRefused(ErrorCode.AUTH, f"HMAC check failed on a data stream of learner "
                                    f"{pending.hello.learner_id}")
+        self._hand_over(entry)
         if attach.index >= len(pending.data) or pending.data[attach.index] is not None:
             raise HandshakeRefused(ErrorCode.PROTOCOL, f"data stream index {attach.index} is invalid or taken")
         with self._lock:

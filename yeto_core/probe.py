@@ -81,10 +81,15 @@ def _raise_refusal(stream: Stream) -> None:
         raise Refused(msg.code, msg.reason)
 
 
+def probe_authentic(key: bytes, nonce: bytes, request: BwProbe) -> bool:
+    """Whether a probe request was sealed with the key for this connection's challenge."""
+    return auth.verify(key, request.mac, auth.PROBE_LABEL, b"request", nonce, request.up.to_bytes(8, "little"),
+                       request.down.to_bytes(8, "little"))
+
+
 def serve_probe(stream: Stream, key: bytes, nonce: bytes, request: BwProbe) -> tuple[int, int]:
     """The syncer's side, on a handshake thread: verify, take `up` bytes, answer, send `down`."""
-    if not auth.verify(key, request.mac, auth.PROBE_LABEL, b"request", nonce, request.up.to_bytes(8, "little"),
-                       request.down.to_bytes(8, "little")):
+    if not probe_authentic(key, nonce, request):
         raise Refused(ErrorCode.AUTH, "HMAC check failed on a bandwidth probe: wrong key")
     sink = bytearray(min(PIECE, max(request.up, 1)))
     view = memoryview(sink)

@@ -174,7 +174,10 @@ class SyncerSettings(BaseSettings):
     final_timeout_s: float = Field(default=60.0, gt=0, description="wait for learners to take the final cut")
     heartbeat_s: float = Field(default=2.0, gt=0)
     peer_timeout_s: float = Field(default=30.0, gt=0)
-    handshake_timeout_s: float = Field(default=10.0, gt=0)
+    handshake_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="deadline of a whole handshake, "
+                                       "from accept until the key is proven")
+    max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once "
+                                "(0: 64, or a quarter of the descriptor limit when lower)")
     wan_stall_timeout: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
     bcast_delta_full_every: int = Field(default=8, ge=1, description="delta broadcasts: a FULL every N versions")
     wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")

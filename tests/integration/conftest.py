@@ -258,12 +258,16 @@ def syncer_argv(*, key_file: Path | None, port: int = 0, learners: int = 2, quor
 
 def start_syncer(procs: Procs, *, key_file: Path, port: int = 0, tape_name: str = "tape.jsonl",
                  checkpoint_name: str | None = "syncer.safetensors", timeout: float = 60.0,
-                 bind_retry_s: float = 0.0, env: dict[str, str] | None = None, **kwargs: Any) -> Syncer:
+                 bind_retry_s: float = 0.0, env: dict[str, str] | None = None, max_descriptors: int = 0,
+                 **kwargs: Any) -> Syncer:
     """Start `python -m syncer` and wait for its listening line; `bind_retry_s` > 0 retries a
-    start that could not bind its port (e.g. a restart on the port of a killed syncer)."""
+    start that could not bind its port (e.g. a restart on the port of a killed syncer);
+    `max_descriptors` > 0 runs it under `ulimit -n` of that many (the pid stays the syncer's)."""
     tape = procs.workdir / tape_name
     checkpoint = procs.workdir / checkpoint_name if checkpoint_name else None
     argv = syncer_argv(key_file=key_file, port=port, checkpoint=checkpoint, tape=tape, **kwargs)
+    if max_descriptors:
+        argv = ["sh", "-c", f'ulimit -n {max_descriptors} && exec "$@"', "sh", *argv]
     retry_until = time.monotonic() + bind_retry_s
     while True:
         proc = procs.start("syncer", argv, env=env)
