@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 
         try:
-            load_settings(LearnerSettings)
+            load_settings(LearnerSettings).read_key()
         except SettingsError as exc:
             print(f"hf_tiny_llama: {exc}", file=sys.stderr)
             return 2
@@ -134,7 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set, callbacks=callbacks)
     first = trainer.evaluate()["eval_loss"]
     emit("eval", learner=learner_id, phase="initial", loss=round(first, 4))
-    result = trainer.train()
+    refusal: tuple[type[Exception], ...] = ()
+    if yeto is not None:
+        from yeto_core.refusal import IslandRefused
+
+        refusal = (IslandRefused,)
+    try:
+        result = trainer.train()
+    except refusal as exc:  # the syncer refused this island for good: one line, not a traceback
+        print(f"hf_tiny_llama: IslandRefused: {exc}", file=sys.stderr)
+        return 3
     final = trainer.evaluate()["eval_loss"]
     final_installed = bool(yeto and yeto.final_installed)
     emit("eval", learner=learner_id, phase="final", loss=round(final, 4), final_cut=final_installed,

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             host=settings.host, port=settings.port, key=key, num_fragments=settings.fragments,
             pattern=settings.pattern, post=coordinator.post, pinned_fingerprint=coordinator.pinned_fingerprint,
             max_payload=coordinator.max_payload, initial_cut_ready=coordinator.initial_cut_ready,
+            id_conflict=coordinator.id_conflict,
             handshake_timeout_s=settings.handshake_timeout_s,
             max_handshakes=settings.max_handshakes or default_cap(), heartbeat_s=settings.heartbeat_s,
             peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout,

@@ -26,7 +26,7 @@ from syncer.consensus import ConsensusBoard
 from syncer.correction import HelocoConfig
 from syncer.finale import Finale
 from syncer.intake import PushIntake
-from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id, scheduler_config
+from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id, id_conflict, scheduler_config
 from syncer.merge import Segment, check_finite
 from syncer.outbox import Outbox
 from syncer.outer import ACCUM_KEY, COUNT_KEY, make_outer_optimizer
@@ -97,6 +97,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         self.clock = clock
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.links: dict[int, Link] = {}
+        self._holders: dict[int, tuple[bytes, int, str]] = {}  # id -> (instance, generation, peer) last joined
         self._in_flight: dict[int, list[SendTicket]] = {}  # see Outbox._before_write
         self.workspace = MergeWorkspace()  # merge scratch, reused round after round
         self._closed_groups: list[ConnectionGroup] = []  # joined before exit, see ConnectionGroup.join
@@ -148,6 +149,10 @@ class Coordinator(PushIntake, Outbox, Finale):
     # -- read by server threads (immutable references, safe to read without a lock) -----------
     def pinned_fingerprint(self) -> bytes | None:
         return self.layout.fingerprint if self.layout is not None else None
+
+    def id_conflict(self, learner_id: int, instance: bytes) -> str | None:
+        """Why a HELLO from process `instance` may not take `learner_id`, or None (any thread)."""
+        return id_conflict(self.links.get(learner_id), instance)
 
     def max_payload(self) -> int:
         return max(f.numel for f in self.layout.fragments) * 4 if self.layout is not None else 0
@@ -215,14 +220,25 @@ class Coordinator(PushIntake, Outbox, Finale):
 
     # -- joins ---------------------------------------------------------------------------------
     def _on_joined(self, ev: Joined) -> None:
+        link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint,
+                    codec=codec_by_id(ev.wire_dtype, block=ev.push_block or DEFAULT_BLOCK),
+                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS),
+                    overlap=bool(ev.flags & HELLO_OVERLAP), instance=ev.instance, peer=ev.peer)
+        conflict = self.id_conflict(ev.learner_id, ev.instance)
+        if conflict is not None:  # two processes passed the handshake's check at once: the holder stays
+            self._refuse(link, ErrorCode.DUPLICATE, conflict)
+            return
         old = self.links.get(ev.learner_id)
         if old is not None:
             old.group.close(f"replaced by generation {ev.generation}")
             self._retire(old.group)
-        link = Link(ev.learner_id, ev.generation, ev.group, ev.fingerprint,
-                    codec=codec_by_id(ev.wire_dtype, block=ev.push_block or DEFAULT_BLOCK),
-                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS),
-                    overlap=bool(ev.flags & HELLO_OVERLAP))
+        before = self._holders.get(ev.learner_id)
+        self._holders[ev.learner_id] = (ev.instance, ev.generation, ev.peer)
+        if before is not None and before[0] != ev.instance and any(ev.instance):
+            log.warning("learner %d replaced: a new process (generation %d, from %s) takes the id over from "
+                        "generation %d (from %s)", ev.learner_id, ev.generation, ev.peer, before[1], before[2])
+            self.tape.append({"event": "replaced", "learner": ev.learner_id, "generation": before[1],
+                              "by": ev.generation})
         if ev.manifest is not None and self.layout is None:
             layout = build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern)
             self._pin(layout)

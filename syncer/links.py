@@ -45,6 +45,8 @@ class Link:
     acked: bool = False
     overlap: bool = False  # rebases on its merged pushes (SPEC §2.5): its late pushes are refused, not carried
     said_bye: bool = False  # left on purpose: a finalizing syncer does not wait for it to return
+    instance: bytes = b""  # the learner process's HELLO.instance (all zeros: it named none)
+    peer: str = ""  # where its control stream connects from
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,17 @@ def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
 @dataclass
 class InitProgress:
     received: set[int] = field(default_factory=set)
+
+
+def id_conflict(holder: Link | None, instance: bytes) -> str | None:
+    """Why process `instance` may not take the id `holder` holds, or None.
+
+    An id is taken while a live connection group of another process holds it. A group whose peer
+    went silent past the peer timeout closes itself and frees the id, so a restarted process takes
+    it over; a redial of the holder itself (the same instance) is welcome, and peers that name no
+    instance (all zeros) are never told apart."""
+    if holder is None or holder.group.closed or not any(instance) or holder.instance == instance:
+        return None
+    return (f"learner id {holder.learner_id} is held by another live process, connected from {holder.peer} "
+            f"(generation {holder.generation}, heard from {holder.group.silent_s:.1f} s ago); give each island "
+            "its own YETO_DILOCO_LEARNER_ID")

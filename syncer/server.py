@@ -59,6 +59,8 @@ class Joined:
     manifest: Manifest | None
     flags: int = 0
     push_block: int = 0
+    instance: bytes = b""
+    peer: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,7 @@ class SyncerServer:
         pinned_fingerprint: Callable[[], bytes | None],
         max_payload: Callable[[], int],
         initial_cut_ready: Callable[[], bool],
+        id_conflict: Callable[[int, bytes], str | None] = lambda learner_id, instance: None,
         handshake_timeout_s: float = 10.0,
         max_handshakes: int = 64,
         heartbeat_s: float = 2.0,
@@ -128,6 +131,7 @@ class SyncerServer:
         self._pinned = pinned_fingerprint
         self._max_payload = max_payload
         self._initial_cut_ready = initial_cut_ready
+        self._id_conflict = id_conflict
         self._handshake_timeout_s = handshake_timeout_s
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
@@ -291,6 +295,9 @@ class SyncerServer:
         pinned = self._pinned()
         if pinned is not None and pinned != hello.fingerprint:
             raise HandshakeRefused(ErrorCode.LAYOUT, layout_mismatch(hello.learner_id, hello.fingerprint, pinned))
+        conflict = self._id_conflict(hello.learner_id, hello.instance)
+        if conflict is not None:
+            raise HandshakeRefused(ErrorCode.DUPLICATE, conflict)
         with self._lock:
             generation = self._generations.get(hello.learner_id, 0) + 1
             self._generations[hello.learner_id] = generation
@@ -366,7 +373,7 @@ class SyncerServer:
             schedule=self._schedule,
         )
         self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags,
-                          p.hello.push_block))
+                          p.hello.push_block, p.hello.instance, p.control.name))
         group.start()
 
     def _expire_pending(self) -> None:

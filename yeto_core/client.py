@@ -5,7 +5,8 @@ dials, up to `reconnect_max_s`) and one sender thread that encodes and streams p
 training thread never touches a socket. Everything the syncer sends lands, decoded, in
 `inbox`; the learner session drains it between steps. No network error ever propagates to the
 caller: the client records it, logs it, and redials. Only a permanent refusal (wrong key,
-layout or contract) stops redialing, and its reason is printed once.
+layout, contract, or an id another live process holds) stops redialing, and its reason is
+printed once; the session decides what the island does then.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import random
+import secrets
 import socket
 import sys
 import threading
@@ -36,6 +38,7 @@ from yeto_core.wire.messages import (
     HELLO_CONSENSUS,
     HELLO_OVERLAP,
     HELLO_SENDS_MANIFEST,
+    INSTANCE_BYTES,
     Attach,
     Bcast,
     Bye,
@@ -120,6 +123,9 @@ class SyncerClient:
         self.address = address
         self._key = key
         self.learner_id = learner_id
+        # Who this process is, the same on every redial: the syncer tells a redial of the id's
+        # holder from a second process started with the same id.
+        self.instance = secrets.token_bytes(INSTANCE_BYTES)
         self._layout_for = layout_for
         self.codec = codec
         self._data_streams = data_streams
@@ -210,9 +216,7 @@ class SyncerClient:
                 group = self._dial()
             except Refused as exc:
                 if exc.code.permanent:
-                    self.refused = exc
-                    print(f"yeto learner {self.learner_id}: refused by syncer: {exc.reason}", file=sys.stderr)
-                    log.error("learner %d refused by syncer: %s", self.learner_id, exc.reason)
+                    self._refused_for_good(exc)
                     self.inbox.put(Lost(f"refused: {exc.reason}"))
                     return
                 log.warning("learner %d: syncer refused the connection (%s); retrying", self.learner_id, exc)
@@ -225,11 +229,20 @@ class SyncerClient:
                 if self._stop.is_set():
                     return
                 group.join(timeout=5.0)
+                if self.refused is not None:  # the syncer refused this group for good (an ERROR on it)
+                    self.inbox.put(Lost(f"refused: {self.refused.reason}"))
+                    return
                 self.inbox.put(Lost(group.close_reason or "link closed"))
                 log.warning("learner %d: link to syncer lost (%s); redialing", self.learner_id, group.close_reason)
             # Full jitter: islands that lost the syncer together do not all redial in the same instant.
             self._stop.wait(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self._reconnect_max_s)
+
+    def _refused_for_good(self, exc: Refused) -> None:
+        if self.refused is None:
+            self.refused = exc
+            print(f"yeto learner {self.learner_id}: refused by syncer: {exc.reason}", file=sys.stderr)
+            log.error("learner %d refused by syncer: %s", self.learner_id, exc.reason)
 
     def _dial(self) -> ConnectionGroup:
         host, port = self.address
@@ -250,7 +263,7 @@ class SyncerClient:
             flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.overlap else 0)
             block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
             hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
-                          flags, client_nonce, push_block=block)
+                          flags, client_nonce, push_block=block, instance=self.instance)
             hello = dataclasses.replace(hello, mac=auth.sign(self._key, auth.HELLO_LABEL, challenge.nonce,
                                                               hello.signed_part()))
             control.send_frame(hello)
@@ -358,6 +371,8 @@ class SyncerClient:
                 with self._group_lock:
                     if self._group is not None:
                         self._group.set_user_timeout(self._stall_timeout_s)
+        elif isinstance(msg, Error) and msg.code.permanent:  # e.g. a second process won its id after all
+            self._refused_for_good(Refused(msg.code, msg.reason))
         elif isinstance(msg, Error):
             print(f"yeto learner {self.learner_id}: syncer reports {msg.code.name.lower()}: {msg.reason}",
                   file=sys.stderr)

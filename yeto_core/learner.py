@@ -25,6 +25,8 @@ once per optimizer step. The session never blocks a step on the network:
   A learner that reaches its own step limit first sends DONE and waits (with a deadline) for
   the final cut in `finish`; with `final_flush` it first pushes what every fragment trained
   since its last push and waits for those rounds to merge.
+* **Refusals.** A permanent refusal stops the island at its next call (`refusal.py`), unless
+  `alone_if_refused` lets it train on alone.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from yeto_core.codecs import codec_by_name
 from yeto_core.consensus_report import ConsensusReporter, Probe, metrics
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult, measure_link
+from yeto_core.refusal import stop_if_refused
 from yeto_core.settings import LearnerSettings
 from yeto_core.store import LocalStore, TensorStore, check_fragment_values, nonfinite_tensor
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
@@ -222,7 +225,7 @@ class LearnerSession:
                 log.warning("learner %d: no initial cut after %.0f s; training locally until it arrives",
                             self.settings.learner_id, self.settings.init_timeout_s)
                 return
-            if self.client.refused is not None:
+            if stop_if_refused(self.settings, self.client.refused):
                 return
             self._serve_init()
             self.store.tick()
@@ -269,6 +272,7 @@ class LearnerSession:
             took = now - self._last_step_at
             self._step_s = took if self._step_s is None else 0.8 * self._step_s + 0.2 * took
         self._last_step_at = now
+        stop_if_refused(self.settings, self.client.refused)
         self._serve_init()  # a syncer reached only after `start` gave up waiting still gets INIT
         self._drain(timeout=0.0)
         if self.settings.lockstep:  # the merge of the last boundary's push is installed at this step
@@ -291,7 +295,7 @@ class LearnerSession:
         it all, and the flush gets at most half of it."""
         if self.stats.final_installed:
             return True
-        if self.client.refused is not None or self.layout is None:
+        if stop_if_refused(self.settings, self.client.refused) or self.layout is None:
             return False
         if self.settings.lockstep and not self.settings.final_flush:  # the syncer must not drop the last push
             self._lockstep_wait(self._pushes_merged, "the merge of this island's last push")
@@ -299,7 +303,7 @@ class LearnerSession:
         deadline = started + self.settings.final_timeout_s
         flushing = self.settings.final_flush
         while time.monotonic() < deadline:
-            if self.client.refused is not None:
+            if stop_if_refused(self.settings, self.client.refused):
                 return False
             self.store.tick()
             if flushing and (self._flushed() or time.monotonic() > started + self.settings.final_timeout_s / 2):

@@ -90,6 +90,8 @@ class LearnerSettings(BaseSettings):
     blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
                                                   "'embedding', 'head', 'layers:N' (the first N layers) or indices")
     blocking_timeout_s: float = Field(default=120.0, gt=0, description="longest wait for a blocking fragment")
+    alone_if_refused: bool = Field(default=False, description="after a permanent refusal (wrong key, layout, "
+                                   "contract, an id held by another process) train on alone instead of stopping")
     final_flush: bool = Field(default=False, description="when training ends, push every fragment's last steps "
                               "and wait for their merge before asking for the final cut")
     lockstep: bool = Field(default=False, description="pin the schedule to learner steps for reproducible "

@@ -83,10 +83,11 @@ def test_a_refusal_by_the_syncer_is_raised_on_every_rank(procs: Procs, key_file:
     wrong.write_text("a key that is not the syncer's, long enough")
     env = {**island_env(syncer.address, wrong, 0), "YETO_DILOCO_INIT_TIMEOUT_S": "20"}
     ranks = results(run_ranks(WORKER, 4, args=["train", json.dumps(TP2_DP2), "5"], env=env, timeout_s=100))
-    assert "refused this island" in ranks[0]["error"] and "HMAC check failed" in ranks[0]["error"], ranks[0]["error"]
+    assert ranks[0]["error"].startswith("IslandRefused: "), ranks[0]["error"]
+    assert "HMAC check failed" in ranks[0]["error"] and "this island stops" in ranks[0]["error"], ranks[0]["error"]
     for r in ranks[1:]:
-        assert r["error"].startswith("IslandError: rank 0 of the island failed: RuntimeError: "), r["error"]
-        assert "refused this island" in r["error"]
+        assert r["error"].startswith("IslandError: rank 0 of the island failed: IslandRefused: "), r["error"]
+        assert "HMAC check failed" in r["error"]
 
 
 # -- two islands and the real syncer ---------------------------------------------------------------

@@ -97,8 +97,8 @@ GOLDEN = [
         ),
     ),
     Golden(
-        Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC, 128),
-        "5945544f" "01" "02" "0000" "72000000",  # 114-byte body
+        Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC, 128, TOKEN),
+        "5945544f" "01" "02" "0000" "82000000",  # 130-byte body
         (
             ("learner_id", "07000000"),
             ("data_streams", "02"),
@@ -108,6 +108,7 @@ GOLDEN = [
             ("flags", "01000000"),
             ("client_nonce", CNONCE_HEX),
             ("push_block", "80000000"),  # 128
+            ("instance", TOKEN_HEX),
             ("mac", MAC_HEX),
         ),
     ),
@@ -573,6 +574,7 @@ def test_manifest_with_an_invalid_spec_is_a_protocol_error(name: str, dtype: str
         pytest.param(lambda: Hello(0, 1, FPRINT[:31], 1, CHUNK_BYTES, 0, CNONCE), id="Hello.fingerprint"),
         pytest.param(lambda: Hello(0, 1, FPRINT, 1, CHUNK_BYTES, 0, CNONCE + b"x"), id="Hello.client_nonce"),
         pytest.param(lambda: Hello(0, 1, FPRINT, 1, CHUNK_BYTES, 0, CNONCE, MAC[:1]), id="Hello.mac"),
+        pytest.param(lambda: Hello(0, 1, FPRINT, 1, CHUNK_BYTES, 0, CNONCE, MAC, 0, TOKEN[:15]), id="Hello.instance"),
         pytest.param(lambda: Welcome(TOKEN[:15], 1, True), id="Welcome.token"),
         pytest.param(lambda: Attach(TOKEN, 0, b""), id="Attach.mac"),
     ],
@@ -597,7 +599,8 @@ def test_error_codes_are_pinned() -> None:
     assert {c.name: int(c) for c in ErrorCode} == {
         "PROTOCOL": 1, "AUTH": 2, "LAYOUT": 3, "CONTRACT": 4, "REFUSED": 5, "SHUTDOWN": 6, "DUPLICATE": 7,
     }
-    assert {c for c in ErrorCode if c.permanent} == {ErrorCode.AUTH, ErrorCode.LAYOUT, ErrorCode.CONTRACT}
+    assert {c for c in ErrorCode if c.permanent} == {ErrorCode.AUTH, ErrorCode.LAYOUT, ErrorCode.CONTRACT,
+                                                    ErrorCode.DUPLICATE}
 
 
 def test_message_type_numbers_are_pinned() -> None:

@@ -19,7 +19,7 @@ class ErrorCode(IntEnum):
     @property
     def permanent(self) -> bool:
         """Retrying with the same key and model cannot succeed."""
-        return self in (ErrorCode.AUTH, ErrorCode.LAYOUT, ErrorCode.CONTRACT)
+        return self in (ErrorCode.AUTH, ErrorCode.LAYOUT, ErrorCode.CONTRACT, ErrorCode.DUPLICATE)
 
 
 class WireError(Exception):

@@ -32,6 +32,7 @@ MAX_CONTROL_BODY = 64 * 1024 * 1024  # bound for any inline body (the manifest i
 NONCE_BYTES = 32
 MAC_BYTES = 32
 TOKEN_BYTES = 16
+INSTANCE_BYTES = 16
 FINGERPRINT_BYTES = 32
 
 
@@ -119,6 +120,9 @@ class Hello(Message):
     client_nonce: bytes
     mac: bytes = b"\0" * MAC_BYTES
     push_block: int = 0  # block size of a block-quantized wire dtype (part of the contract; 0 otherwise)
+    # Random per learner process, the same on every redial: tells a redial of the holder of an id
+    # from a second process claiming it. All zeros: a peer that names no instance.
+    instance: bytes = b"\0" * INSTANCE_BYTES
 
     def signed_part(self) -> bytes:
         return (
@@ -131,6 +135,7 @@ class Hello(Message):
             .u32(self.flags)
             .fixed(self.client_nonce, NONCE_BYTES)
             .u32(self.push_block)
+            .fixed(self.instance, INSTANCE_BYTES)
             .getvalue()
         )
 
@@ -149,6 +154,7 @@ class Hello(Message):
             flags=r.u32("flags"),
             client_nonce=r.fixed(NONCE_BYTES, "client_nonce"),
             push_block=r.u32("push_block"),
+            instance=r.fixed(INSTANCE_BYTES, "instance"),
             mac=r.fixed(MAC_BYTES, "mac"),
         )
         r.end()

@@ -276,6 +276,11 @@ class ConnectionGroup:
             self._threads = threads
 
     @property
+    def silent_s(self) -> float:
+        """Seconds since the last frame from the peer."""
+        return time.monotonic() - self._last_heard
+
+    @property
     def closed(self) -> bool:
         return self._closed.is_set()
 

@@ -70,11 +70,7 @@ class MegatronDiLoCoSync:
     def start(self) -> None:
         """Connect (rank 0) and install the initial cut on every rank."""
         def start() -> bool:
-            session = self._session()
-            session.start()
-            refused = session.client.refused
-            if refused is not None:
-                raise RuntimeError(f"the syncer at {self.settings.syncer} refused this island: {refused}")
+            self._session().start()  # a permanent refusal raises here, on rank 0, unless alone_if_refused
             return False
 
         self._run(start)

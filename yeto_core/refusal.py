@@ -1,0 +1,34 @@
+"""What an island does when the syncer refuses it for good.
+
+A permanent refusal (wrong key, another model or layout, another session contract, or a learner
+id that another live process holds) cannot be cured by redialing. By default the island stops:
+its trainer gets `IslandRefused` at the next call into the session, so the process ends with the
+refusal as its error and a non-zero exit instead of spending its whole step budget on a run it
+never joins. `YETO_DILOCO_ALONE_IF_REFUSED=1` trains on alone instead (the old behaviour).
+Transient failures (syncer down, network) never come here: the link redials.
+"""
+
+from __future__ import annotations
+
+from yeto_core.settings import LearnerSettings
+from yeto_core.wire.errors import Refused
+
+
+class IslandRefused(RuntimeError):
+    """The syncer refused this island for good; the message says why and what to change."""
+
+    def __init__(self, settings: LearnerSettings, refusal: Refused) -> None:
+        super().__init__(f"yeto learner {settings.learner_id}: refused by the syncer at {settings.syncer} "
+                         f"({refusal.code.name.lower()}): {refusal.reason}; this island stops "
+                         "(YETO_DILOCO_ALONE_IF_REFUSED=1 trains it on alone instead)")
+        self.refusal = refusal
+
+
+def stop_if_refused(settings: LearnerSettings, refusal: Refused | None) -> bool:
+    """Raise `IslandRefused` for a permanent refusal unless the island may train alone; True when
+    it was refused and trains on alone."""
+    if refusal is None:
+        return False
+    if settings.alone_if_refused:
+        return True
+    raise IslandRefused(settings, refusal)
