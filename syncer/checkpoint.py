@@ -194,7 +194,8 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
         fault_point("mid-checkpoint")
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
     return total

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-every", type=int, help="checkpoint after every N committed rounds (default 1)")
     add("--background-checkpoint", action="store_true", default=None,
         help="write each checkpoint from a snapshot on its own thread while rounds go on (one writer at a time)")
+    add("--checkpoint-retry-s", type=float, help="retry a failed checkpoint write this long, holding every round, "
+        "then stop with exit code 4 (default 120)")
     add("--resume", action="store_true", default=None, help="resume from --checkpoint if it exists")
     add("--tape", type=Path, help="JSONL event tape of every commit")
     add("--key-file", type=Path, help="file holding the shared HMAC key (or YETO_SYNCER_KEY)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from syncer.checkpoint import CheckpointError, SyncerState, ledger_key, tokens_b
 from syncer.commit import MergeWorkspace, merge_round
 from syncer.consensus import ConsensusBoard
 from syncer.correction import HelocoConfig
-from syncer.finale import Finale
+from syncer.finale import DURABILITY_EXIT_CODE, DurabilityLost, Finale
 from syncer.intake import PushIntake
 from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id, id_conflict, scheduler_config
 from syncer.merge import Segment, check_finite
@@ -174,9 +175,14 @@ class Coordinator(PushIntake, Outbox, Finale):
                 event = self.events.get(timeout=self._wakeup())
             except queue.Empty:
                 event = None
-            if event is not None:
-                self._handle(event)
-            self._advance()
+            try:
+                if event is not None:
+                    self._handle(event)
+                self._advance()
+            except DurabilityLost as exc:
+                log.critical("%s", exc)
+                print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
+                self.exit_code, self.phase = DURABILITY_EXIT_CODE, Phase.DONE
         self._decoders.shutdown(wait=True)
         if self.writer is not None:  # never exit in the middle of a background write
             try:

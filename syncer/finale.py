@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,12 @@ from yeto_core.settings import SyncerSettings
 log = logging.getLogger("yeto.syncer")
 
 PROGRESS_BAR_BYTES = 256 << 20
+DURABILITY_EXIT_CODE = 4
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
+
+
+class DurabilityLost(Exception):
+    """No checkpoint could be written within `checkpoint_retry_s`: the syncer stops."""
 
 
 class Finale:
@@ -93,12 +100,36 @@ class Finale:
 
     def _save_checkpoint(self, *, wait: bool = False) -> float | None:
         """Checkpoint the committed state; returns how long the coordinator was held (ms).
-        A failed background write is logged and taped; the previous file stays valid."""
+
+        Durable or stop. A failed write (this one, or the background write before it) is retried
+        synchronously, with backoff, while the coordinator holds every round: nothing is
+        committed or broadcast meanwhile, and the learners train on locally. The previous file
+        stays valid throughout. Past `checkpoint_retry_s` it raises `DurabilityLost`."""
         if self.writer is None or self.state is None:
             return None
-        try:
-            return self.writer.save(self.state, wait=wait)
-        except CheckpointError as exc:
-            log.error("%s", exc)
-            self.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
-            return None
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.settings.checkpoint_retry_s
+        delay, failures = RETRY_FIRST_S, 0
+        while True:
+            try:
+                held = self.writer.save(self.state, wait=wait)
+            except CheckpointError as exc:
+                failures += 1
+                self.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    retry = self.settings.checkpoint_retry_s
+                    raise DurabilityLost(f"{exc}; no checkpoint could be written in {retry:g} s "
+                                         "(--checkpoint-retry-s), so the syncer stops: nothing after the previous "
+                                         "checkpoint is durable") from exc
+                log.error("%s; holding every round and retrying in %.1f s (learners train on locally)", exc,
+                          min(delay, left))
+                time.sleep(min(delay, left))
+                delay, wait = min(2 * delay, RETRY_MAX_S), True  # retries write synchronously
+                continue
+            if failures:
+                log.warning("checkpoint %s written after %d failed attempt%s; rounds go on", self.writer.path,
+                            failures, "" if failures == 1 else "s")
+                self.tape.append({"event": "checkpoint_recovered", "failures": failures})
+                return (time.perf_counter() - t0) * 1000
+            return held

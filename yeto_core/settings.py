@@ -146,6 +146,8 @@ class SyncerSettings(BaseSettings):
     checkpoint: Path | None = None
     checkpoint_every: int = Field(default=1, ge=1, description="checkpoint after every N committed rounds")
     background_checkpoint: bool = Field(default=False, description="write checkpoints on a thread, rounds go on")
+    checkpoint_retry_s: float = Field(default=120.0, gt=0, le=86400, description="retry a failed checkpoint write "
+                                      "this long, holding rounds, then stop (exit 4)")
     resume: bool = False
     tape: Path | None = None
     key: SecretStr | None = None
