@@ -305,6 +305,7 @@ class LearnerSession:
         while time.monotonic() < deadline:
             if stop_if_refused(self.settings, self.client.refused):
                 return False
+            self._serve_init()  # a syncer restarted without --resume meanwhile is seeded from here
             self.store.tick()
             if flushing and (self._flushed() or time.monotonic() > started + self.settings.final_timeout_s / 2):
                 if not self._flushed():
@@ -561,6 +562,7 @@ class LearnerSession:
                 log.warning("learner %d: lockstep: no %s within %.0f s; training on, the schedule is no longer "
                             "pinned to steps", self.settings.learner_id, what, self.settings.lockstep_timeout_s)
                 return
+            self._serve_init()
             self.store.tick()
             self._drain(timeout=0.05)
 
@@ -590,6 +592,7 @@ class LearnerSession:
                 log.warning("learner %d: blocking fragment %d not merged within %.0f s; training on",
                             self.settings.learner_id, f, self.settings.blocking_timeout_s)
                 break
+            self._serve_init()
             self.store.tick()
             self._drain(timeout=0.05)
             self._install_bcasts()

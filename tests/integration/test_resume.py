@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -197,3 +198,36 @@ def test_a_syncer_restarted_without_resume_is_seeded_from_learner_0s_weights(
     ckpt = checkpoint_params(second.checkpoint)
     for name, param in island.model.named_parameters():
         assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the new syncer's final checkpoint"
+
+
+@pytest.mark.timeout(180)
+def test_learner_0_in_finish_seeds_a_syncer_restarted_without_resume(procs: Procs, key_file: Path) -> None:
+    """The syncer dies and comes back without --resume while learner 0 waits in `finish()` for
+    the final cut: finish serves the new syncer's INIT request from the weights it ended with,
+    and then installs the final cut, instead of keeping its local weights at its deadline."""
+    common: dict[str, Any] = {"learners": 1, "quorum": 1, "fragments": FRAGMENTS}
+    first = start_syncer(procs, key_file=key_file, tape_name="tape-1.jsonl", checkpoint_name=None, total_rounds=400,
+                         **common)
+    island = Island(first, key_file, reconnect_max_s=0.5, final_timeout_s=90)
+    outcome: dict[str, bool] = {}
+    try:
+        island.start()
+        island.train_until(lambda: len(first.commits()) >= 3, 60, "3 committed rounds")
+        first.proc.sigkill()
+        ended = [p.detach().clone() for p in island.model.parameters()]
+        waiting = threading.Thread(target=lambda: outcome.update(final=island.session.finish()), daemon=True)
+        waiting.start()
+        second = start_syncer(procs, key_file=key_file, port=first.port, tape_name="tape-2.jsonl",
+                              bind_retry_s=20, **common)
+        waiting.join(120)
+        assert not waiting.is_alive(), "finish() did not return"
+    finally:
+        island.close()
+    assert outcome.get("final") is True and island.session.stats.final_installed
+    assert syncer_exit_code(second) == 0, second.proc.tail()
+    assert any(r["event"] == "init" for r in second.tape_records()), second.proc.tail()
+    assert second.checkpoint is not None
+    ckpt = checkpoint_params(second.checkpoint)
+    for (name, param), before in zip(island.model.named_parameters(), ended, strict=True):
+        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the new syncer's final checkpoint"
+        assert torch.equal(before, ckpt[name]), f"{name}: the new syncer was not seeded with learner 0's weights"

@@ -20,10 +20,14 @@ ON = ["1", "true", "True", "YES", "on", "t", "y"]
 OFF = ["0", "false", "FALSE", "No", "off", "f", "n"]
 
 
-def run_pth_line(monkeypatch: pytest.MonkeyPatch, value: str | None) -> bool:
+def run_pth_line(monkeypatch: pytest.MonkeyPatch, value: str | None, syncer: str | None = None) -> bool:
     """Run the start-up line as site.py does; True when it called `install()`."""
     calls: list[None] = []
     monkeypatch.setattr(autoattach, "install", lambda: calls.append(None))
+    if syncer is None:
+        monkeypatch.delenv(autoattach.SYNCER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(autoattach.SYNCER_ENV, syncer)
     if value is None:
         monkeypatch.delenv(autoattach.ENV, raising=False)
     else:
@@ -45,6 +49,14 @@ def test_true_or_unparsable_installs_the_hook(monkeypatch: pytest.MonkeyPatch, v
     # An unparsable value installs it too, so that building a Trainer reports the bad value.
     assert run_pth_line(monkeypatch, value)
     assert autoattach.requested(os.environ)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", [None, "0"])
+def test_a_syncer_address_alone_installs_the_watcher(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    assert run_pth_line(monkeypatch, value, syncer="10.0.0.5:7070")
+    assert not autoattach.requested(os.environ)  # installed to watch, not to attach
+    assert not run_pth_line(monkeypatch, value, syncer="")
 
 
 @pytest.mark.timeout(30)
@@ -72,6 +84,9 @@ class Trainer:
 
     def add_callback(self, callback):
         self.callback_handler.callbacks.append(callback)
+
+    def train(self):
+        return "trained"
 """
 
 
@@ -86,6 +101,7 @@ def test_the_finder_waits_for_the_module_then_patches_it_and_steps_aside(
     monkeypatch.setattr(autoattach, "TARGET", name)
     attached: list[Any] = []
     monkeypatch.setattr(autoattach, "attach", attached.append)
+    monkeypatch.setenv(autoattach.ENV, "1")
 
     autoattach.install()
     autoattach.install()
@@ -102,6 +118,33 @@ def test_the_finder_waits_for_the_module_then_patches_it_and_steps_aside(
     autoattach.install()  # already imported: patches in place, and only once
     module.Trainer()
     assert len(attached) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_without_the_callback_says_once_that_it_trains_alone(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    name = "yeto_fake_hf_trainer_watch"
+    (tmp_path / f"{name}.py").write_text(FAKE_TRAINER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(autoattach, "TARGET", name)
+    monkeypatch.setattr(autoattach, "_warned", False)
+    attached: list[Any] = []
+    monkeypatch.setattr(autoattach, "attach", attached.append)
+    monkeypatch.delenv(autoattach.ENV, raising=False)
+    monkeypatch.setenv(autoattach.SYNCER_ENV, "10.0.0.5:7070")
+
+    autoattach.install()
+    module = __import__(name)
+    monkeypatch.setitem(sys.modules, name, module)
+    with caplog.at_level("WARNING", logger="yeto.hf"):
+        assert module.Trainer().train() == "trained"
+        assert module.Trainer().train() == "trained"
+    assert attached == []  # watching only: nothing is attached
+    said = [r.getMessage() for r in caplog.records if "trains alone" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "YETO_DILOCO_SYNCER=10.0.0.5:7070" in said[0] and "YETO_DILOCO_AUTO_ATTACH=1" in said[0]
 
 
 # -- the real HF Trainer -----------------------------------------------------------------------------
@@ -122,6 +165,7 @@ def hooked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     cls = trainer_module.Trainer
     monkeypatch.setattr(cls, "__init__", cls.__init__)
     monkeypatch.setattr(cls, "add_callback", cls.add_callback)
+    monkeypatch.setattr(cls, "train", cls.train)
     autoattach.install()
     import torch
 

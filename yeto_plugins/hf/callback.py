@@ -6,8 +6,13 @@
 One DiLoCo boundary check per optimizer step, from `on_step_end` (it fires after the optimizer
 step, the scheduler step and zero_grad). The callback reports the true number of trained tokens
 (the Trainer's non-padding count: the attention mask's sum) and stops training at the step that
-installed the syncer's final cut. When the Trainer reaches `max_steps` first, `on_train_end`
-asks the syncer for the final cut and installs it before the script saves the model.
+installed the syncer's final cut. When the Trainer reaches `max_steps` first, that last step asks
+the syncer for the final cut and installs it. Either way the step that installed the final cut
+also asks the Trainer to log, save (unless `save_strategy="no"`) and evaluate (when it evaluates
+at all), so a script that relies on the Trainer's own saving (`swift sft`, `run_clm.py`) ends
+with the final model on disk; one WARNING line says so, and the `yeto_*` figures go into the
+Trainer's log history (and with it `trainer_state.json`). A script that stops early for a reason
+of its own gets the final cut from `on_train_end`, before it saves the model.
 
 Under torchrun (DDP, or FSDP2 with DTensor parameters) the island is all of its processes: rank 0
 talks to the syncer and every rank takes part in its reads and writes (`island.py`), so every
@@ -64,9 +69,11 @@ class YetoDiLoCo(TrainerCallback):
 
     def __init__(self, **settings: Any) -> None:
         self.settings: LearnerSettings = load_settings(LearnerSettings, **settings)
+        self.settings.read_key()  # a missing or short key fails building the Trainer, not its first step
         self.session: LearnerSession | None = None  # on rank 0 of a multi-process island only
         self.store: ProcessGroupStore | None = None  # a multi-process (DDP, FSDP2) island
         self.final_installed = False
+        self._finish_asked = False  # finish() ran at the last step: on_train_end must not wait twice
         self.pushes = self.installs = 0  # rank 0's counts, known on every rank
         self._tokens_seen = 0
 
@@ -115,16 +122,31 @@ class YetoDiLoCo(TrainerCallback):
         seen = int(state.num_input_tokens_seen)
         tokens, self._tokens_seen = seen - self._tokens_seen, seen
         if self._together(lambda session: session.step(tokens)):
-            self.final_installed = True
-            control.should_training_stop = True
+            self._final_cut(args, state, control, "")
+        elif 0 < state.max_steps <= state.global_step:
+            self._finish_asked = True
+            if self._together(lambda session: session.finish()):
+                self._final_cut(args, state, control, f" (max_steps {state.max_steps} reached first)")
         return control
+
+    def _final_cut(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, why: str) -> None:
+        """Stop at this step, and have the Trainer log, save and evaluate the final model here."""
+        self.final_installed = True
+        control.should_training_stop = True
+        control.should_log = True
+        saves = args.save_strategy != "no"
+        control.should_save = control.should_save or saves
+        control.should_evaluate = control.should_evaluate or args.eval_strategy != "no"
+        log.warning("yeto learner %d: final cut installed at step %d%s; training stops%s", self.settings.learner_id,
+                    state.global_step, why, " and the Trainer saves it" if saves else "")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.session is None and self.store is None:
             return
         try:
-            self.final_installed = self._together(lambda session: session.finish())
+            if not self._finish_asked:
+                self.final_installed = self._together(lambda session: session.finish())
         finally:
             if self.session is not None:
                 self.session.close()
@@ -134,7 +156,17 @@ class YetoDiLoCo(TrainerCallback):
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if (self.session is not None or self.store is not None) and logs is not None:
-            logs["yeto_pushes"] = self.session.stats.pushes if self.session is not None else self.pushes
-            logs["yeto_installs"] = self.session.stats.installs if self.session is not None else self.installs
+            figures: dict[str, Any] = {
+                "yeto_pushes": self.session.stats.pushes if self.session is not None else self.pushes,
+                "yeto_installs": self.session.stats.installs if self.session is not None else self.installs,
+            }
             if self.session is not None:  # SPEC §2.7: the syncer's latest consensus figures
-                logs.update(consensus_logs(self.session.stats))
+                figures.update(consensus_logs(self.session.stats))
+            if self.final_installed:
+                figures["yeto_final_cut"] = 1
+            logs.update(figures)
+            # The Trainer appended a copy of `logs` to its history before calling us: the figures
+            # reach `trainer_state.json` only through that entry.
+            history = state.log_history
+            if history and history[-1].get("step") == state.global_step:
+                history[-1].update(figures)
