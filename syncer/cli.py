@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     explicit = {k: v for k, v in vars(args).items() if k != "log_level"}
     try:
         settings = load_settings(SyncerSettings, flags=True, **explicit)
-        key = settings.read_key()
+        key = settings.read_key(key_file_flag=args.key_file is not None)
         device = resolve_device(settings.device)
         state = load_state(settings, device)
     except (SettingsError, CheckpointError) as exc:

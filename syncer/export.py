@@ -170,9 +170,14 @@ def lora_model(model: str, adapter_config: Path, tensors: dict[str, torch.Tensor
 
 
 def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "float32",
-           allow_missing: bool = False, adapter_config: Path | None = None) -> dict[str, Any]:
+           allow_missing: bool = False, adapter_config: Path | None = None,
+           overwrite: bool = False) -> dict[str, Any]:
     """Write the checkpoint's weights as a Hugging Face model under `output_dir`; returns the
-    provenance record written to ``yeto_export.json``."""
+    provenance record written to ``yeto_export.json``. A non-empty `output_dir` is refused unless
+    `overwrite`: an export must never silently replace a model."""
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
+        raise ExportError(f"--output-dir {output_dir} exists and is not empty; choose another directory or pass "
+                          "--overwrite")
     try:
         state = load_checkpoint(checkpoint)
     except CheckpointError as exc:
@@ -248,13 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter-config", type=Path, default=None,
                    help="for a LoRA run: the PEFT adapter_config.json (or its directory); --model is then the "
                         "base model with its weights")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output-dir")
     args = p.parse_args(argv)
     try:
         # Libraries imported on the way (e.g. DeepSpeed, through accelerate, when it is installed)
         # log to stdout; like ours, their lines belong on stderr.
         with contextlib.redirect_stdout(sys.stderr):
             export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype,
-                   allow_missing=args.allow_missing, adapter_config=args.adapter_config)
+                   allow_missing=args.allow_missing, adapter_config=args.adapter_config, overwrite=args.overwrite)
     except ExportError as exc:
         log(f"error: {exc}")
         return 2

@@ -8,12 +8,15 @@ fails at start-up with one message that names the variable and what it accepts.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger("yeto.settings")
 
 MIN_KEY_BYTES = 16
 
@@ -30,29 +33,35 @@ def parse_address(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str) -> bytes:
-    """The shared HMAC key from KEY or KEY_FILE (exactly one), at least 16 bytes."""
+def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str, key_file_name: str | None = None) -> bytes:
+    """The shared HMAC key from KEY or KEY_FILE (exactly one), at least 16 bytes. `key_file_name`
+    is what errors call the file's setting (e.g. the `--key-file` flag it came from)."""
     if (key is None) == (key_file is None):
         raise SettingsError(f"set exactly one of {prefix}KEY or {prefix}KEY_FILE (the shared HMAC key)")
     if key_file is not None:
+        where = f"{key_file_name or prefix + 'KEY_FILE'}={key_file}"
         try:
             raw = key_file.read_bytes().strip()
+            mode = key_file.stat().st_mode
         except OSError as exc:
-            raise SettingsError(f"{prefix}KEY_FILE={key_file}: cannot read the key file ({exc.strerror})") from exc
-        where = f"{prefix}KEY_FILE={key_file}"
+            raise SettingsError(f"{where}: cannot read the key file ({exc.strerror})") from exc
     else:
         assert key is not None
-        raw = key.get_secret_value().encode()
+        raw, mode = key.get_secret_value().encode(), 0
         where = f"{prefix}KEY"
     if len(raw) < MIN_KEY_BYTES:
         raise SettingsError(f"{where}: the key must be at least {MIN_KEY_BYTES} bytes, got {len(raw)}")
+    if mode & 0o077:  # a usable key others can read: say so, once per read
+        log.warning("%s: the key file is readable by other users (mode %03o); `chmod 600 %s`", where,
+                    mode & 0o777, key_file)
     return raw
 
 
 class LearnerSettings(BaseSettings):
     """One island's DiLoCo learner (`YETO_DILOCO_*`)."""
 
-    model_config = SettingsConfigDict(env_prefix="YETO_DILOCO_", extra="forbid", frozen=True)
+    # allow_inf_nan: "inf" parses as a float, and an infinite timeout overflows the socket layer.
+    model_config = SettingsConfigDict(env_prefix="YETO_DILOCO_", extra="forbid", frozen=True, allow_inf_nan=False)
 
     syncer: str = Field(description="syncer address, HOST:PORT")
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
@@ -134,7 +143,7 @@ class LearnerSettings(BaseSettings):
 class SyncerSettings(BaseSettings):
     """The syncer service (`YETO_SYNCER_*`; command-line flags win)."""
 
-    model_config = SettingsConfigDict(env_prefix="YETO_SYNCER_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="YETO_SYNCER_", extra="forbid", frozen=True, allow_inf_nan=False)
 
     host: str = "127.0.0.1"
     port: int = Field(default=7070, ge=0, lt=65536)
@@ -198,8 +207,10 @@ class SyncerSettings(BaseSettings):
     def effective_quorum(self) -> int:
         return self.quorum or self.learners
 
-    def read_key(self) -> bytes:
-        return read_key(self.key, self.key_file, prefix="YETO_SYNCER_")
+    def read_key(self, *, key_file_flag: bool = False) -> bytes:
+        """`key_file_flag`: the file came from `--key-file`, and errors say so."""
+        return read_key(self.key, self.key_file, prefix="YETO_SYNCER_",
+                        key_file_name="--key-file" if key_file_flag else None)
 
 
 S = TypeVar("S", bound=BaseSettings)

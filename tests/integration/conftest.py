@@ -212,6 +212,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 def key_file(tmp_path: Path) -> Path:
     path = tmp_path / "syncer.key"
     path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)  # as a key file should be: others may not read it
     return path
 
 

@@ -34,7 +34,7 @@ def test_bad_merge_alpha_and_bad_quorum_fail_with_one_clear_message(procs: Procs
     for proc, name, words in [
         (quorum_env, "YETO_SYNCER_QUORUM", ("quorum 5", "learners 2")),
         (quorum_flag, "--quorum", ("quorum 5", "learners 2")),
-        (key_short, "YETO_SYNCER_KEY_FILE", ("at least 16 bytes",)),
+        (key_short, "--key-file", ("at least 16 bytes",)),  # the key came from the flag: errors name it
         (no_key, "YETO_SYNCER_KEY", ("KEY_FILE",)),
     ]:
         assert proc.wait(timeout=60) == 2, proc.tail()

@@ -126,6 +126,15 @@ def test_export_loads_and_matches_the_learners(procs: Procs, key_file: Path, tmp
     for name, p in m16.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), ckpt[name].bfloat16()), name
 
+    # an existing export is never overwritten silently; --overwrite says so
+    before = (out / "model.safetensors").read_bytes()
+    again = run_export("--checkpoint", syncer.checkpoint, "--model", config_dir, "--output-dir", out, "--dtype",
+                       "bfloat16")
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr and "--overwrite" in again.stderr
+    assert (out / "model.safetensors").read_bytes() == before
+    again = run_export("--checkpoint", syncer.checkpoint, "--model", config_dir, "--output-dir", out, "--overwrite")
+    assert again.returncode == 0, again.stderr
+
     # a config for another model: refused, naming the shape mismatch
     wrong = write_config(example, tmp_path / "wrong-config", hidden=48)
     done = run_export("--checkpoint", syncer.checkpoint, "--model", wrong, "--output-dir", tmp_path / "wrong")

@@ -38,6 +38,8 @@ def test_explicit_arguments_win(monkeypatch: pytest.MonkeyPatch) -> None:
     ("YETO_DILOCO_WIRE_DTYPE", "fp8", "YETO_DILOCO_WIRE_DTYPE='fp8'"),
     ("YETO_DILOCO_DATA_STREAMS", "0", "YETO_DILOCO_DATA_STREAMS='0'"),
     ("YETO_DILOCO_SYNCER", "nohost", "YETO_DILOCO_SYNCER='nohost'"),
+    ("YETO_DILOCO_CONNECT_TIMEOUT_S", "inf", "YETO_DILOCO_CONNECT_TIMEOUT_S='inf': Input should be a finite number"),
+    ("YETO_DILOCO_FINAL_TIMEOUT_S", "nan", "YETO_DILOCO_FINAL_TIMEOUT_S='nan'"),
 ])
 def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: str, value: str, needle: str) -> None:
     monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
@@ -101,3 +103,37 @@ def test_a_sharded_syncer_address_is_refused_up_front(monkeypatch: pytest.Monkey
     with pytest.raises(SettingsError, match=r"YETO_DILOCO_SYNCER=.*sharded syncer .* is not supported"):
         monkeypatch.setenv("YETO_DILOCO_SYNCER", "10.0.0.1:7000,10.0.0.2:7000")
         load_settings(LearnerSettings, key="k" * 32)
+
+
+def test_an_infinite_syncer_timeout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_SYNCER_HANDSHAKE_TIMEOUT_S", "inf")
+    with pytest.raises(SettingsError, match="YETO_SYNCER_HANDSHAKE_TIMEOUT_S='inf': Input should be a finite number"):
+        load_settings(SyncerSettings)
+    monkeypatch.delenv("YETO_SYNCER_HANDSHAKE_TIMEOUT_S")
+    with pytest.raises(SettingsError, match="--round-timeout-s=inf"):
+        load_settings(SyncerSettings, flags=True, round_timeout_s=float("inf"))
+
+
+def test_a_key_file_others_can_read_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("k" * 32)
+    key_file.chmod(0o644)
+    with caplog.at_level("WARNING", logger="yeto.settings"):
+        assert load_settings(LearnerSettings, syncer="h:1", key_file=key_file).read_key() == b"k" * 32
+    assert any("readable by other users (mode 644)" in r.getMessage() and "chmod 600" in r.getMessage()
+               for r in caplog.records), caplog.text
+    caplog.clear()
+    key_file.chmod(0o600)
+    with caplog.at_level("WARNING", logger="yeto.settings"):
+        load_settings(LearnerSettings, syncer="h:1", key_file=key_file).read_key()
+    assert not caplog.records
+
+
+def test_a_key_file_given_by_flag_is_named_by_the_flag(tmp_path: Path) -> None:
+    short = tmp_path / "short.key"
+    short.write_text("short")
+    settings = load_settings(SyncerSettings, flags=True, key_file=short)
+    with pytest.raises(SettingsError, match=r"^--key-file=.*short.key: the key must be at least 16 bytes, got 5$"):
+        settings.read_key(key_file_flag=True)
+    with pytest.raises(SettingsError, match=r"^YETO_SYNCER_KEY_FILE=.*short.key: the key must be at least 16"):
+        settings.read_key()
