@@ -9,15 +9,23 @@ JSON header padded to 8 bytes, raw little-endian data) into ``<path>.tmp``, fsyn
 over ``path`` and fsyncs the directory: peak memory stays at one tensor and a crash leaves the
 previous checkpoint whole. ``load_checkpoint`` reads with the safetensors library and validates
 everything before it returns, so a bad file never reaches the coordinator's state.
+
+Integrity: the metadata holds a CRC-32 of every tensor's bytes (``checksums``), computed as the
+data streams out (the header is written with placeholders of the same width, then rewritten
+before the file is synced). Loading verifies each one and screens params, momentum and
+accumulators for NaN/Inf, naming the first bad tensor. A checkpoint written before checksums
+were kept has none; it is accepted with a warning that its bytes are not verified.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import struct
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +38,11 @@ from tqdm import tqdm
 from yeto_core.faults import fault_point
 from yeto_core.layout import Layout, TensorSpec, build_layout
 
+log = logging.getLogger("yeto.syncer.checkpoint")
+
 FORMAT_VERSION = 1
 _META_KEY = "yeto"
+_NO_CRC = "0" * 8  # the placeholder every checksum has until the data is written
 _CHUNK = 16 << 20  # bytes per write; bounds the progress bar's granularity, not memory
 
 
@@ -128,8 +139,9 @@ def _check_state(state: SyncerState, layout: Layout) -> None:
         raise ValueError(f"SyncerState.versions has {len(state.versions)} entries")
 
 
-def _metadata(state: SyncerState) -> str:
+def _metadata(state: SyncerState, checksums: dict[str, str]) -> str:
     doc = {
+        "checksums": checksums,
         "format": FORMAT_VERSION,
         "specs": [[s.name, list(s.shape), s.dtype, s.embedding] for s in state.specs],
         "num_fragments": state.num_fragments,
@@ -160,15 +172,21 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
     layout = build_layout(state.specs, state.num_fragments, state.pattern)
     _check_state(state, layout)
 
-    header: dict[str, Any] = {"__metadata__": {_META_KEY: _metadata(state)}}
-    begin = 0
     with_accum = state.outer_accum is not None
-    for name, _, _, numel, shape in _tensor_names(layout, with_accum):
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, begin + 4 * numel]}
-        begin += 4 * numel
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-len(head) % 8)
-    total = 8 + len(head) + begin
+    names = [name for name, *_ in _tensor_names(layout, with_accum)]
+    checksums = dict.fromkeys(names, _NO_CRC)
+
+    def header_bytes() -> bytes:
+        header: dict[str, Any] = {"__metadata__": {_META_KEY: _metadata(state, checksums)}}
+        begin = 0
+        for name, _, _, numel, shape in _tensor_names(layout, with_accum):
+            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, begin + 4 * numel]}
+            begin += 4 * numel
+        head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        return head + b" " * (-len(head) % 8)
+
+    head = header_bytes()
+    total = 8 + len(head) + 4 * sum(numel for _, _, _, numel, _ in _tensor_names(layout, with_accum))
 
     tmp = path.with_name(path.name + ".tmp")
     bufs = {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum or []}
@@ -186,9 +204,18 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
                 with read(kind, frag) if read is not None else contextlib.nullcontext(bufs[kind][frag]) as source:
                     piece = source.detach()[offset : offset + numel]
                     raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
+                    crc = 0
                     for start in range(0, len(raw), _CHUNK):
-                        f.write(raw[start : start + _CHUNK])
-                        bar.update(min(_CHUNK, len(raw) - start))
+                        part = raw[start : start + _CHUNK]
+                        f.write(part)
+                        crc = zlib.crc32(part, crc)
+                        bar.update(len(part))
+                    checksums[name] = f"{crc:08x}"
+            final_head = header_bytes()  # the same length: every checksum is 8 hex digits
+            if len(final_head) != len(head):
+                raise RuntimeError("checkpoint header changed length when its checksums were filled in")
+            f.seek(8)
+            f.write(final_head)
             f.flush()
             os.fsync(f.fileno())
         fault_point("mid-checkpoint")
@@ -234,6 +261,8 @@ def _parse(path: Path, doc: Any) -> tuple[list[TensorSpec], Layout, dict[str, An
             all(min(parse_ledger_key(k)) >= 0 for k in doc["ledger"]),
             all(isinstance(r, int) and all(isinstance(i, int) for i in ids) for r, ids in doc.get("merged_by", [])),
             len(doc.get("merged_by", [])) in (0, doc["num_fragments"]),
+            isinstance(doc.get("checksums", {}), dict),
+            all(isinstance(v, str) and len(v) == 8 for v in doc.get("checksums", {}).values()),
         ]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"checkpoint {path} has malformed 'yeto' metadata: {exc!r}") from exc
@@ -296,12 +325,24 @@ def load_checkpoint(
                         f"checkpoint {path}: tensor {name} is {sl.get_dtype()} {sl.get_shape()}, "
                         f"expected F32 {list(shape)}"
                     )
+            checksums: dict[str, str] | None = doc.get("checksums")
+            if checksums is None:
+                log.warning("checkpoint %s carries no checksums (written by a yeto that kept none): its tensor "
+                            "bytes are not verified", path)
+            elif set(checksums) != set(expected):
+                raise CheckpointError(f"checkpoint {path}: its checksums do not name exactly its tensors")
             bufs = {
                 kind: [torch.empty(frag.numel, dtype=torch.float32) for frag in layout.fragments]
                 for kind in ("param", "momentum", "accum")
             }
             for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
-                bufs[name.split("/", 1)[0]][frag][offset : offset + numel] = f.get_tensor(name).reshape(-1)
+                tensor = f.get_tensor(name).reshape(-1)
+                if checksums is not None and f"{zlib.crc32(tensor.numpy()):08x}" != checksums[name]:
+                    raise CheckpointError(f"checkpoint {path}: tensor {name} does not match its checksum (the file "
+                                          "was damaged after it was written)")
+                if not bool(torch.isfinite(tensor).all()):
+                    raise CheckpointError(f"checkpoint {path}: tensor {name} holds NaN or Inf")
+                bufs[name.split("/", 1)[0]][frag][offset : offset + numel] = tensor
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors reports truncation and bad headers as assorted errors

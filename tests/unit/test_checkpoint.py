@@ -49,7 +49,7 @@ def make_state(pattern: str = "binpack", seed: int = 0) -> SyncerState:
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(f.numel, generator=gen) for f in layout.fragments]
     momentum = [torch.randn(f.numel, generator=gen) * 1e-3 for f in layout.fragments]
-    params[1][0] = float("nan")  # bits, not values, must survive
+    params[1][0] = 1e-45  # a subnormal: bits, not values, must survive
     params[1][1] = -0.0
     return SyncerState(
         specs=specs,
@@ -335,4 +335,67 @@ def test_the_learners_each_fragment_last_merged_round_trip(tmp_path: Path) -> No
     state.merged_by = [(9, [0])]  # one entry for three fragments
     save_checkpoint(path, state)
     with pytest.raises(CheckpointError, match="malformed"):
+        load_checkpoint(path)
+
+
+# -- integrity --------------------------------------------------------------------------------------
+def data_start(path: Path) -> int:
+    (head,) = struct.unpack("<Q", path.read_bytes()[:8])
+    return 8 + head
+
+
+def test_every_tensor_has_a_checksum_of_its_bytes(tmp_path: Path) -> None:
+    import zlib
+
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    with safe_open(str(path), framework="pt") as f:
+        sums = json.loads(f.metadata()["yeto"])["checksums"]
+        assert set(sums) == set(f.keys())
+        for name in sorted(sums):
+            assert sums[name] == f"{zlib.crc32(f.get_tensor(name).numpy()):08x}", name
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "nan-patch"])
+def test_damaged_tensor_bytes_are_refused_naming_the_tensor(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    raw = bytearray(path.read_bytes())
+    start = data_start(path)
+    if damage == "bit-flip":
+        raw[start + 5] ^= 0x10  # one bit of the first tensor in the file
+    else:
+        nan = struct.pack("<f", float("nan"))
+        size = min(4096, len(raw) - start) // 4 * 4
+        raw[start : start + size] = nan * (size // 4)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"tensor param/\S+ does not match its checksum"):
+        load_checkpoint(path)
+
+
+def test_nan_or_inf_is_refused_even_with_a_valid_checksum(tmp_path: Path) -> None:
+    state = make_state()
+    state.momentum[2][3] = float("inf")
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)  # the checksums describe these bytes faithfully
+    with pytest.raises(CheckpointError, match=r"tensor momentum/\S+ holds NaN or Inf"):
+        load_checkpoint(path)
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    state = make_state()
+    save_checkpoint(path, state)
+    _rewrite_meta(path, lambda m: m.pop("checksums"))  # as a yeto that kept none wrote it
+    with caplog.at_level("WARNING", logger="yeto.syncer.checkpoint"):
+        got = load_checkpoint(path)
+    assert "carries no checksums" in caplog.text and "not verified" in caplog.text
+    assert torch.equal(bits(got.params[0]), bits(state.params[0]))
+
+
+def test_checksums_that_name_other_tensors_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    _rewrite_meta(path, lambda m: m["checksums"].pop(next(iter(m["checksums"]))))
+    with pytest.raises(CheckpointError, match="do not name exactly its tensors"):
         load_checkpoint(path)
