@@ -1,6 +1,6 @@
 """Does it learn? yeto's merged model against synchronous data parallel and an island alone.
 
-    python -m benchmarks.compare_diloco                     # 23 arms, 3 seeds (~27 min on 2 cores)
+    python -m benchmarks.compare_diloco                     # 23 arms, 3 seeds (~26 min on 2 cores)
     python -m benchmarks.compare_diloco --quick             # dp, alone, yeto-default, one seed (~1.5 min)
     python -m benchmarks.compare_diloco --arms yeto-default,previous-defaults --model main
 
@@ -153,20 +153,21 @@ def cost(arm: Arm) -> float:
     return islands * (1.0 + (0.3 if arm.kind == "yeto" else 0.0) + 0.2 / steps_per_round) * (0.7 if arm.lora else 1)
 
 
-def run_job(arm: Arm, shape: Shape, seed: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
-    job = {"arm": asdict(arm), "shape": asdict(shape), "seed": seed, "workdir": str(workdir)}
+def run_job(arm: Arm, shape: Shape, seeds: list[int], workdir: Path, timeout_s: float) -> list[dict[str, Any]]:
+    """Every seed of one arm, one after the other in one worker process (one import of torch and
+    transformers); `timeout_s` is the deadline of each seed's run."""
+    job = {"arm": asdict(arm), "shape": asdict(shape), "seeds": seeds, "workdir": str(workdir)}
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    log = workdir / f"{arm.name}-seed{seed}.log"
+    log = workdir / f"{arm.name}.log"
     with open(log, "wb") as err:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.diloco_arm", json.dumps(job)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=err, timeout=timeout_s, check=False)
-    lines = proc.stdout.decode(errors="replace").strip().splitlines()
-    if proc.returncode != 0 or not lines:
+                              stdout=subprocess.PIPE, stderr=err, timeout=timeout_s * len(seeds), check=False)
+    lines = [line for line in proc.stdout.decode(errors="replace").splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(lines) != len(seeds):
         tail = log.read_text(errors="replace")[-1500:]
-        raise RuntimeError(f"{arm.name} seed {seed} failed (exit {proc.returncode}):\n{tail}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+        raise RuntimeError(f"{arm.name} (seeds {seeds}) failed (exit {proc.returncode}):\n{tail}")
+    return [json.loads(line) for line in lines]
 
 
 def summarize(arms: dict[str, Arm], runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -310,30 +311,29 @@ def main(argv: list[str] | None = None) -> int:
     alias = same_as(list(arms.values()))
     seeds = list(range(args.seeds or (1 if args.quick else 3)))
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = sorted(((a, s) for a in arms.values() if a.name not in alias for s in seeds),
-                  key=lambda job: -cost(job[0]))
+    jobs = sorted((a for a in arms.values() if a.name not in alias), key=lambda a: -cost(a))
     print(f"compare_diloco: {len(arms)} arms ({len(alias)} the same as another), {len(seeds)} seeds, "
-          f"{len(jobs)} runs on {args.jobs} workers; {shape.steps} steps x batch {shape.batch} x seq {shape.seq_len} "
-          f"per island; logs in {args.out}", flush=True)
+          f"{len(jobs) * len(seeds)} runs on {args.jobs} workers; {shape.steps} steps x batch {shape.batch} x seq "
+          f"{shape.seq_len} per island; logs in {args.out}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms.values() if a.name not in alias}
     t0 = time.monotonic()
     lock = threading.Lock()
     failures: list[str] = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_job, a, shape, s, args.out, args.timeout): (a, s) for a, s in jobs}
+        futures = {pool.submit(run_job, a, shape, seeds, args.out, args.timeout): a for a in jobs}
         for done, future in enumerate(as_completed(futures), 1):
-            arm, seed = futures[future]
+            arm = futures[future]
             try:
-                result = future.result()
+                results = future.result()
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 failures.append(str(exc))
-                print(f"[{done:3d}/{len(jobs)} {time.monotonic() - t0:6.0f}s] {arm.name} seed {seed}: FAILED",
-                      flush=True)
+                print(f"[{done:2d}/{len(jobs)} {time.monotonic() - t0:6.0f}s] {arm.name}: FAILED", flush=True)
                 continue
             with lock:
-                runs[arm.name].append(result)
-            print(f"[{done:3d}/{len(jobs)} {time.monotonic() - t0:6.0f}s] {arm.name:<18} seed {seed}: "
-                  f"eval loss {result['final_loss']:.4f} ({result['wall_s']:.0f} s)", flush=True)
+                runs[arm.name].extend(results)
+            losses = ", ".join(f"{r['final_loss']:.4f}" for r in results)
+            print(f"[{done:2d}/{len(jobs)} {time.monotonic() - t0:6.0f}s] {arm.name:<18} eval loss {losses} "
+                  f"({sum(r['wall_s'] for r in results):.0f} s)", flush=True)
     for rs in runs.values():
         rs.sort(key=lambda r: r["seed"])
     summary = summarize(arms, runs)

@@ -1,6 +1,9 @@
-"""One arm of `compare_diloco.py` for one seed: train, evaluate, report as JSON.
+"""One arm of `compare_diloco.py` for its seeds: train, evaluate, report as JSON.
 
-    python -m benchmarks.diloco_arm '{"arm": {...}, "shape": {...}, "seed": 0, "workdir": "..."}'
+    python -m benchmarks.diloco_arm '{"arm": {...}, "shape": {...}, "seeds": [0, 1, 2], "workdir": "..."}'
+
+Each seed is a run of its own, one after the other in this process (one import of torch and
+transformers for all of them), reported as one JSON line when it ends.
 
 Three kinds of arm, all on the main job's data (byte tokens of Python's English help texts,
 `examples/hf_tiny_llama.py`) and a Llama built from a config:
@@ -50,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$")
 FRAGMENTS = 4
 EVAL_BATCH = 32
-CURVE_POINTS = 8
+CURVE_POINTS = 6  # a run is cut in this many equal pieces; the held-out loss is taken at every cut
 
 
 def _example() -> Any:
@@ -347,8 +350,9 @@ def run_arm(arm: Arm, shape: Shape, seed: int, workdir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     job = json.loads((argv or sys.argv[1:])[0])
     arm = Arm(**job["arm"])
-    result = run_arm(arm, Shape(**job["shape"]), int(job["seed"]), Path(job["workdir"]))
-    print(json.dumps(result), flush=True)
+    for seed in job["seeds"]:
+        result = run_arm(arm, Shape(**job["shape"]), int(seed), Path(job["workdir"]))
+        print(json.dumps(result), flush=True)
     return 0
 
 
