@@ -90,10 +90,9 @@ class Trainer:
 """
 
 
-@pytest.mark.timeout(60)
-def test_the_finder_waits_for_the_module_then_patches_it_and_steps_aside(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    name = "yeto_fake_hf_trainer"
+def fake_trainer_module(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> list[Any]:
+    """Make `name` an importable, not yet imported fake of `transformers.trainer` that the hook
+    watches for; returns the list the (stubbed) `attach` appends each attached trainer to."""
     (tmp_path / f"{name}.py").write_text(FAKE_TRAINER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
@@ -101,6 +100,14 @@ def test_the_finder_waits_for_the_module_then_patches_it_and_steps_aside(
     monkeypatch.setattr(autoattach, "TARGET", name)
     attached: list[Any] = []
     monkeypatch.setattr(autoattach, "attach", attached.append)
+    return attached
+
+
+@pytest.mark.timeout(60)
+def test_the_finder_waits_for_the_module_then_patches_it_and_steps_aside(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    name = "yeto_fake_hf_trainer"
+    attached = fake_trainer_module(monkeypatch, tmp_path, name)
     monkeypatch.setenv(autoattach.ENV, "1")
 
     autoattach.install()
@@ -124,14 +131,8 @@ def test_the_finder_waits_for_the_module_then_patches_it_and_steps_aside(
 def test_a_trainer_without_the_callback_says_once_that_it_trains_alone(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     name = "yeto_fake_hf_trainer_watch"
-    (tmp_path / f"{name}.py").write_text(FAKE_TRAINER_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(autoattach, "TARGET", name)
+    attached = fake_trainer_module(monkeypatch, tmp_path, name)
     monkeypatch.setattr(autoattach, "_warned", False)
-    attached: list[Any] = []
-    monkeypatch.setattr(autoattach, "attach", attached.append)
     monkeypatch.delenv(autoattach.ENV, raising=False)
     monkeypatch.setenv(autoattach.SYNCER_ENV, "10.0.0.5:7070")
 
