@@ -147,6 +147,8 @@ class SyncerServer:
         self._late = BurstLog(log, f"handshakes cut at their {handshake_timeout_s:g} s deadline")
         self._accept_trouble = BurstLog(log, "accept() failing; retrying with backoff")
         self._thread_trouble = BurstLog(log, "cannot start a handshake thread; closing the connection")
+        # Unauthenticated peers may be anyone: a crowd that hangs up at once must cost a line, not one each.
+        self._failed = BurstLog(log, "handshakes failed before authentication")
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -194,7 +196,7 @@ class SyncerServer:
         late = self._gate.expire()
         if late:
             self._late.hit(f"{len(late)} connection(s), first from {late[0].peer}")
-        for trouble in (self._crowd, self._late, self._accept_trouble, self._thread_trouble):
+        for trouble in (self._crowd, self._late, self._accept_trouble, self._thread_trouble, self._failed):
             trouble.tick()
 
     def _admit(self, sock: socket.socket, host: str, peer: str) -> None:
@@ -240,7 +242,8 @@ class SyncerServer:
             if entry.cut:  # the gate closed it; the gate's burst log has said so
                 log.debug("handshake with %s cut: %s", stream.name, exc)
             else:
-                log.warning("handshake with %s failed: %s", stream.name, exc)
+                log.debug("handshake with %s failed: %s", stream.name, exc)
+                self._failed.hit(f"handshake with {stream.name} failed: {exc}")
                 with contextlib.suppress(OSError):
                     stream.send_frame(Error(ErrorCode.PROTOCOL, f"handshake failed: {exc}"))
             stream.close()

@@ -130,7 +130,7 @@ def open_descriptors(pid: int) -> int:
 def crowd_lines(syncer: Syncer) -> list[str]:
     return [line for line in syncer.proc.stderr().splitlines()
             if "too many unauthenticated connections" in line or "handshakes cut at" in line
-            or "handshake with" in line]
+            or "handshake with" in line or "handshakes failed" in line]
 
 
 @pytest.mark.timeout(300)
