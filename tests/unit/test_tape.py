@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import syncer.tape as tape_module
 from syncer.tape import EventTape, TapeError, read_tape
 
 pytestmark = pytest.mark.unit
@@ -104,3 +111,85 @@ def test_append_after_close_raises(tmp_path: Path) -> None:
 def test_missing_tape_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_tape(tmp_path / "nope.jsonl")
+
+
+class FullDisk:
+    """os.write that fails with ENOSPC while `full`, after writing part of what it was given (as a
+    real full disk can), so the tape must cut the torn bytes off again."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = False
+        self._real = os.write
+        monkeypatch.setattr(tape_module.os, "write", self)
+
+    def __call__(self, fd: int, data: bytes | memoryview) -> int:
+        if self.full:
+            self._real(fd, bytes(data[: max(1, len(data) // 2)]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._real(fd, data)
+
+
+def test_a_full_disk_holds_the_records_and_writes_them_in_order_once_it_has_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "tape.jsonl"
+    disk = FullDisk(monkeypatch)
+    with EventTape(path) as tape, caplog.at_level(logging.WARNING, logger="yeto.syncer.tape"):
+        tape.append({"event": "commit", "round": 0})
+        disk.full = True
+        for r in (1, 2, 3):
+            tape.append({"event": "commit", "round": r})
+        assert tape.held == 3
+        assert [r["round"] for r in read_tape(path)] == [0]  # no torn line left behind
+        assert path.read_bytes().endswith(b"\n")
+        disk.full = False
+        tape.append({"event": "commit", "round": 4})
+        assert tape.held == 0
+    assert [r["round"] for r in read_tape(path)] == [0, 1, 2, 3, 4]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "No space left on device" in errors[0].getMessage()
+    assert str(path) in errors[0].getMessage()
+    assert any("written again: 4 held record(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_past_the_hold_limit_the_oldest_go_and_a_gap_record_says_how_many(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tape_module, "HELD_MAX", 3)
+    path = tmp_path / "tape.jsonl"
+    disk = FullDisk(monkeypatch)
+    with EventTape(path) as tape:
+        disk.full = True
+        for r in range(5):
+            tape.append({"event": "commit", "round": r})
+        assert tape.held == 3
+        disk.full = False
+    records = read_tape(path)  # close() wrote what was held
+    assert records[0]["event"] == "tape_gap" and records[0]["lost"] == 2
+    assert [r["round"] for r in records[1:]] == [2, 3, 4]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root")
+def test_a_real_full_disk_loses_no_record(tmp_path: Path) -> None:
+    root = tmp_path / "disk"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(root)], capture_output=True,
+                      timeout=30, check=False).returncode:
+        pytest.skip("mount -t tmpfs failed")
+    try:
+        filler = root / "filler"
+        with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:
+            for _ in range(64):
+                f.write(b"\0" * 4096)
+        written = 0
+        with EventTape(root / "tape.jsonl") as tape:
+            for r in range(200):  # the tape file's last page fills within a few records
+                tape.append({"event": "commit", "round": r, "pad": "x" * 500})
+                written += 1
+                if tape.held:
+                    break
+            assert tape.held, "the tape never met the full disk"
+            filler.unlink()
+            tape.append({"event": "commit", "round": written, "pad": ""})
+            assert tape.held == 0
+        assert [rec["round"] for rec in read_tape(root / "tape.jsonl")] == list(range(written + 1))
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True, timeout=30, check=False)
