@@ -62,7 +62,7 @@ from benchmarks.loopback import RawLoopback
 CODEC_NAMES = ("f32", "bf16", "int8", "int4", "e3m0", "int4-log")
 
 
-def _count(text: str) -> int:
+def parse_count(text: str) -> int:
     """`64M`, `1M`, `4096`, `1e6` -> an element count (M = 2**20, K = 2**10)."""
     text = text.strip()
     mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
@@ -308,7 +308,7 @@ def main() -> int:
     ap.add_argument("--pushes", type=int, default=12, help="f32 PUSH rounds with one learner (default 12)")
     ap.add_argument("--learners", type=int, default=3, help="N, learners receiving each BCAST (default 3)")
     ap.add_argument("--rounds", type=int, default=8, help="fan-out rounds with N learners (default 8)")
-    ap.add_argument("--elements", type=_count, default=64 << 20, help="values for codec speed (default 64M)")
+    ap.add_argument("--elements", type=parse_count, default=64 << 20, help="values for codec speed (default 64M)")
     ap.add_argument("--block", type=int, default=128, help="block size of the quantized codecs (default 128)")
     ap.add_argument("--repeat", type=int, default=3, help="codec speed: best of this many (default 3)")
     ap.add_argument("--full-every", type=int, default=None,

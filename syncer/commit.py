@@ -3,7 +3,8 @@
 The coordinator hands over the answers of a closed round; this module corrects stale deltas
 (HeLoCo, optional), weights the learners (tokens²/steps), merges (RDA per tensor, plain average
 for the embedding), and takes the outer optimizer step in place on the fragment's params and
-momentum. It also decodes and validates push payloads. No sockets, no clocks but a stopwatch.
+momentum, unless it would overflow them: such a round is merged again without the learner whose
+delta is largest. It also decodes and validates push payloads. No sockets, no clocks but a stopwatch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,20 +20,25 @@ import torch
 
 from syncer.correction import HelocoConfig, heloco_correct
 from syncer.merge import Segment, accurate_norm, check_finite, learner_weights, merge_deltas, outer_gradient
-from syncer.outer import OuterOptimizer
+from syncer.outer import ACCUM_KEY, OuterOptimizer
 from syncer.rounds import Answer
 from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
 from yeto_core.wire.messages import Init, Message, Push
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+HEADROOM = 0.999
+"""The share of float32's range a bounded step may reach: a handful of roundings cannot cross it."""
+
 
 @dataclass(frozen=True)
 class MergeOutcome:
-    answers: list[Answer]  # in learner-id order, the order they were merged in
+    answers: list[Answer]  # in learner-id order, the order they were merged in; empty if none could be
     weights: list[float]
     outer_grad_norm: float
     delta_norms: list[float]
     merge_ms: float
+    overflowed: dict[int, float] = field(default_factory=dict)  # learner -> largest |value| of its delta
 
 
 class MergeWorkspace:
@@ -64,25 +70,95 @@ def merge_round(
     threads: int = 1,
     workspace: MergeWorkspace | None = None,
 ) -> MergeOutcome:
-    """Merge one fragment's answers into `params` / `momentum` (in place)."""
+    """Merge one fragment's answers into `params` / `momentum` (in place), never into NaN or Inf.
+
+    Every delta is finite when it gets here, yet finite values can still overflow: a delta of
+    3e38 averaged and stepped with momentum makes the fragment Inf. So the step is screened
+    first (`screen_step`); a merge that would overflow is done again without the learner whose
+    delta is largest, until one fits. Those learners are in `overflowed`; when none fits, nothing
+    is written and `answers` is empty.
+    """
     t0 = time.perf_counter()
     ordered = sorted(answers, key=lambda a: a.learner_id)
+    norms = {a.learner_id: accurate_norm(a.delta) for a in ordered}
+    # A delta whose norm does not fit float32 (values past ~1e19 do that) cannot be weighed by RDA.
+    overflowed = {a.learner_id: max_abs(a.delta) for a in ordered if not math.isfinite(norms[a.learner_id])}
+    ordered = [a for a in ordered if a.learner_id not in overflowed]
+    while ordered:
+        weights, grad = _outer_gradient(ordered, params=params, momentum=momentum, segments=segments,
+                                        heloco=heloco, threads=threads, workspace=workspace)
+        scratch = None if workspace is None else workspace.take("step", tuple(params.shape), params.device)
+        grad_norm = accurate_norm(grad)
+        if screen_step(outer, params, momentum, grad, outer_state, grad_norm=grad_norm, scratch=scratch):
+            return MergeOutcome(ordered, [float(w) for w in weights], grad_norm,
+                                [norms[a.learner_id] for a in ordered], (time.perf_counter() - t0) * 1000, overflowed)
+        largest = [max_abs(a.delta) for a in ordered]
+        worst = max(range(len(ordered)), key=lambda i: largest[i])
+        overflowed[ordered.pop(worst).learner_id] = largest[worst]
+    return MergeOutcome([], [], 0.0, [], (time.perf_counter() - t0) * 1000, overflowed)
+
+
+def _outer_gradient(
+    ordered: list[Answer], *, params: torch.Tensor, momentum: torch.Tensor, segments: list[Segment],
+    heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learners' weights and the fragment's outer gradient."""
     weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
     rows = [a.delta for a in ordered]
     stacked = None if workspace is None else workspace.take("deltas", (len(rows), params.numel()), params.device)
     deltas = torch.stack(rows, out=stacked)
-    delta_norms = [accurate_norm(row) for row in deltas]
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
             heloco_correct(row, momentum, segments, heloco, out=row)
     out = None if workspace is None else workspace.take("merged", (params.numel(),), params.device)
     merged = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, out=out,
                           threads=threads)
-    grad = outer_gradient(merged, out=merged)  # the merged delta is not needed after this
-    scratch = None if workspace is None else workspace.take("step", tuple(params.shape), params.device)
-    outer.step(params, momentum, grad, outer_state, scratch=scratch)
-    return MergeOutcome(ordered, [float(w) for w in weights], accurate_norm(grad), delta_norms,
-                        (time.perf_counter() - t0) * 1000)
+    return weights, outer_gradient(merged, out=merged)  # the merged delta is not needed after
+
+
+def max_abs(x: torch.Tensor) -> float:
+    """The largest |value| of `x` (one read pass, no temporary)."""
+    return float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
+
+
+def screen_step(
+    outer: OuterOptimizer, params: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
+    state: dict[str, Any], *, grad_norm: float | None = None, scratch: torch.Tensor | None = None,
+) -> bool:
+    """Take the outer step in place if everything it writes stays finite; else write nothing.
+
+    The usual case costs one fast read of params and momentum: ‖x‖₂ ≥ max|x|, so when the
+    optimizer's bound on its values (`OuterOptimizer.bound`) from the inputs' L2 norms stays
+    inside float32, nothing can overflow and the step runs in place. (`grad_norm`, ‖grad‖, is
+    taken anyway for the tape.) Norms of values past ~1e19 overflow themselves: then the bound is
+    taken again from the exact largest magnitudes, and past that too the step is tried on copies
+    and kept (copied back, bit for bit the in-place result) if all it produced is finite.
+    """
+    accum = state.get(ACCUM_KEY)
+    held = accum if isinstance(accum, torch.Tensor) else None
+    norm_bound = outer.bound(param=accurate_norm(params), momentum=accurate_norm(momentum),
+                             grad=accurate_norm(grad) if grad_norm is None else grad_norm,
+                             accum=0.0 if held is None else accurate_norm(held))
+    if norm_bound < HEADROOM * FLOAT32_MAX or outer.bound(
+            param=max_abs(params), momentum=max_abs(momentum), grad=max_abs(grad),
+            accum=0.0 if held is None else max_abs(held)) < HEADROOM * FLOAT32_MAX:
+        outer.step(params, momentum, grad, state, scratch=scratch)
+        return True
+    trial_params, trial_momentum = params.clone(), momentum.clone()
+    trial_state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    outer.step(trial_params, trial_momentum, grad, trial_state)
+    written = [trial_params, trial_momentum, *(v for v in trial_state.values() if isinstance(v, torch.Tensor))]
+    if not all(bool(torch.isfinite(t).all()) for t in written):
+        return False
+    params.copy_(trial_params)
+    momentum.copy_(trial_momentum)
+    for k, v in trial_state.items():
+        kept = state.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(kept, torch.Tensor):
+            kept.copy_(v)
+        else:
+            state[k] = v
+    return True
 
 
 def payload_problem(layout: Layout, msg: Push, payload: memoryview | None, codec: Codec) -> str | None:

@@ -446,6 +446,18 @@ class Coordinator(PushIntake, Outbox, Finale):
             self._commit(attempt, reason, seen_live)
         self._maybe_launch(now, live)
 
+    def _overflowed(self, attempt: Attempt, learner_id: int, largest: float) -> None:
+        """A finite delta that would still have made the merged fragment Inf: left out, said."""
+        reason = (f"delta for fragment {attempt.fragment} (largest |value| {largest:.3g}) would overflow the merged "
+                  f"fragment; round {attempt.round} merged without it")
+        log.warning("learner %d: push for round %d refused: %s", learner_id, attempt.round, reason)
+        self.tape.append({"event": "refused", "learner": learner_id, "round": attempt.round, "reason": reason,
+                          "overflow": True})
+        link = self.links.get(learner_id)
+        answer = attempt.answers[learner_id]
+        if link is not None and link.generation == answer.generation:
+            link.group.send(Error(ErrorCode.REFUSED, reason))
+
     def _quorum(self) -> int:
         return attempt_quorum(self.settings.effective_quorum, self.settings.learners, len(self.finished))
 
@@ -491,6 +503,15 @@ class Coordinator(PushIntake, Outbox, Finale):
                           momentum=self.state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,
                           threads=self.settings.merge_threads, workspace=self.workspace)
+        for lid, largest in out.overflowed.items():
+            self._overflowed(attempt, lid, largest)
+        if not out.answers:  # nothing was written: the round goes round again
+            reason = f"every delta would overflow fragment {f} (learners {sorted(out.overflowed)})"
+            log.warning("round %d attempt %d discarded: %s", attempt.round, attempt.attempt, reason)
+            self.tape.append({"event": "retry", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
+                              "reason": reason, "answered": sorted(attempt.answers)})
+            self.parked.add(attempt.round)
+            return
         fault_point("mid-merge")
         if self.state.outer_accum is not None:
             self.state.outer_accum[f] = self.outer_state[f].get(ACCUM_KEY, self.state.outer_accum[f])
@@ -518,6 +539,8 @@ class Coordinator(PushIntake, Outbox, Finale):
             "outer_grad_norm": grad_norm, "merge_ms": round(merge_ms, 3),
             "wait_ms": round((self.clock() - attempt.launched_at) * 1000, 1), "reason": reason,
         }
+        if out.overflowed:
+            record["overflowed"] = sorted(out.overflowed)
         if self.consensus is not None:  # SPEC §2.7: the learners' JS distance, each fragment's L2 drift
             record.update(self.consensus.on_commit(f, out.delta_norms))
         total = self.settings.total_rounds

@@ -53,6 +53,12 @@ class OuterOptimizer(Protocol):
         ``scratch``, shaped like them, is reused for the step's one temporary instead of a new one."""
         ...
 
+    def bound(self, *, param: float, momentum: float, grad: float, accum: float = 0.0) -> float:
+        """An upper bound on the magnitude of every value the step computes, its temporaries
+        included, given bounds on the magnitudes of its inputs (``accum``: of the state's
+        accumulator, when it keeps one). Exact arithmetic; the caller leaves room for rounding."""
+        ...
+
 
 def _check_shapes(name: str, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor) -> None:
     if not (param.shape == momentum.shape == outer_grad.shape):
@@ -85,6 +91,11 @@ class Nesterov:
         *, scratch: torch.Tensor | None = None,
     ) -> None:
         nesterov_step(param, momentum, outer_grad, lr=self.lr, momentum_coef=self.momentum, scratch=scratch)
+
+    def bound(self, *, param: float, momentum: float, grad: float, accum: float = 0.0) -> float:
+        new_momentum = self.momentum * momentum + grad
+        step = grad + self.momentum * new_momentum
+        return max(new_momentum, step, self.lr * step, param + self.lr * step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +169,15 @@ class DelayedNesterov:
         else:
             param.add_(outer_grad, alpha=-self.lr / n)
         state[COUNT_KEY] = count + 1
+
+    def bound(self, *, param: float, momentum: float, grad: float, accum: float = 0.0) -> float:
+        # Both branches at once: the accumulator, the momentum move, the largest pull on either.
+        n = self.delay
+        summed = accum + grad
+        new_momentum = self.momentum * momentum + summed / n
+        pulled = n * self.momentum * max(momentum, new_momentum)  # pull <= n·μ for any activation
+        step = grad + pulled
+        return max(summed, new_momentum, pulled, step, self.lr / n * step, param + self.lr / n * step)
 
 
 OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")

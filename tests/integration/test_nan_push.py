@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import Island, Procs, checkpoint_params, join_raw, start_syncer, syncer_exit_code, wait_until
 
+from syncer.checkpoint import load_checkpoint
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import Error, Message, Pull, Push
@@ -119,3 +120,69 @@ def test_the_syncer_refuses_an_init_holding_nan(procs: Procs, key_file: Path, mo
     refused = [line for line in syncer.proc.stderr().splitlines() if "contains NaN or Inf" in line]
     assert refused and "INIT of fragment" in refused[0], syncer.proc.tail()
     assert not any(r["event"] in ("init", "commit") for r in syncer.tape_records())
+
+
+OVERFLOW_ROUNDS = 12
+
+
+@pytest.mark.timeout(180)
+def test_a_finite_delta_that_would_overflow_the_merge_is_left_out_and_named(procs: Procs, key_file: Path) -> None:
+    """3e38 is finite, so it passes the push screen; averaged with a weight near 1 and stepped with
+    momentum it would turn the fragment Inf. `--merge average` merges every fragment the way the
+    embedding fragment is merged (this model has none). Both learners answer every round (quorum
+    2), so the huge delta is in every merge; each round commits without it, and says so."""
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=2, total_rounds=OVERFLOW_ROUNDS,
+                          extra=["--merge", "average"])
+    key = key_file.read_bytes().strip()
+    island = Island(syncer, key_file)
+    inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    group = None
+    seen: list[Message] = []
+    try:
+        island.start()
+        island.train_until(lambda: island.session.layout is not None and island.session.client.initial_cut_received
+                           .is_set(), 60, "the initial cut")
+        peer = join_raw(syncer.port, key, 1, island.fingerprint, data_streams=2)
+        group = ConnectionGroup(peer.control, peer.data, name="huge-peer", on_message=lambda m, p: inbox.put(m),
+                                on_close=lambda reason: None, max_payload=lambda: 1 << 30)
+        group.start()
+        layout = island.session.layout
+        assert layout is not None
+
+        def answer_pulls() -> bool:
+            while not inbox.empty():
+                msg = inbox.get()
+                seen.append(msg)
+                if isinstance(msg, Pull):  # every answer huge, and weighed like a million tokens
+                    delta = torch.full((layout.fragments[msg.fragment].numel,), 3e38)
+                    assert group is not None
+                    group.send(Push(msg.round, msg.attempt, msg.fragment, msg.version, tokens=10**6, steps=1,
+                                    step_us=0, transfer=0, nbytes=0, codec=F32.wire_id), tensor_bytes(delta))
+            return False
+
+        island.train_until(answer_pulls, 120, "the final cut")
+        assert island.finished and island.session.stats.final_installed
+    finally:
+        if group is not None:
+            group.close("test: cleanup")
+            group.join(10)
+        island.close()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+
+    records = syncer.tape_records()
+    done = [r for r in records if r["event"] == "commit"]
+    assert [r["round"] for r in done] == list(range(OVERFLOW_ROUNDS))
+    assert all(r["learners"] == [0] and r["overflowed"] == [1] for r in done), done
+    refused = [r for r in records if r["event"] == "refused" and r["learner"] == 1]
+    assert [r["round"] for r in refused] == list(range(OVERFLOW_ROUNDS)) and all(r["overflow"] for r in refused)
+    errors = [m for m in seen if isinstance(m, Error)]
+    assert len(errors) == OVERFLOW_ROUNDS and all(e.code is ErrorCode.REFUSED for e in errors)
+    assert "(largest |value| 3e+38) would overflow the merged fragment" in errors[0].reason, errors[0]
+    assert "would overflow the merged fragment" in syncer.proc.stderr()
+    assert syncer.checkpoint is not None
+    state = load_checkpoint(syncer.checkpoint)
+    assert all(bool(torch.isfinite(m).all()) for m in state.momentum)
+    ckpt = checkpoint_params(syncer.checkpoint)
+    for name, param in island.model.named_parameters():
+        assert torch.isfinite(ckpt[name]).all(), name
+        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the final checkpoint"

@@ -10,6 +10,7 @@ from syncer.commit import (
     merge_round,
     payload_problem,
     payload_screen,
+    screen_step,
 )
 from syncer.correction import HelocoConfig
 from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
@@ -168,3 +169,57 @@ def test_a_merge_workspace_changes_no_bit(optimizer: str) -> None:
         assert outcomes[True].delta_norms == outcomes[False].delta_norms
         for a, b in zip(tensors[True][f], tensors[False][f], strict=True):
             assert torch.equal(a, b), f"round {round_id}: a reused workspace changed the merge"
+
+
+def test_a_finite_delta_that_would_overflow_the_fragment_is_left_out() -> None:
+    # Plain average over one segment (the embedding's way): 3e38 is finite, yet the step's
+    # momentum pull takes it past float32's range. The round merges without learner 1.
+    segments = [Segment(0, 10, rda=False)]
+    good = answers()
+    huge = [a if a.learner_id == 0 else Answer(1, 1, 200, 4, torch.full((10,), 3e38), 0) for a in good]
+    params, momentum = torch.randn(10), torch.full((10,), 1.0)
+    ref_params, ref_momentum = params.clone(), momentum.clone()
+    out = merge_round(huge, params=params, momentum=momentum, outer_state={}, segments=segments,
+                      outer=Nesterov(lr=0.5, momentum=0.5), heloco=None)
+    assert [a.learner_id for a in out.answers] == [0] and out.overflowed == {1: pytest.approx(3e38)}
+    alone = [a for a in good if a.learner_id == 0]
+    merge_round(alone, params=ref_params, momentum=ref_momentum, outer_state={}, segments=segments,
+                outer=Nesterov(lr=0.5, momentum=0.5), heloco=None)
+    assert torch.equal(params, ref_params) and torch.equal(momentum, ref_momentum)
+
+
+def test_when_every_delta_would_overflow_nothing_is_written() -> None:
+    params, momentum = torch.randn(10), torch.randn(10)
+    before = params.clone(), momentum.clone()
+    # Each alone already overflows: the step's g + 0.9·(0.9·m + g) passes 3.4e38 for |g| >= 2e38.
+    huge = [Answer(lid, 1, 100, 4, torch.full((10,), -2e38 - 1e37 * lid), 0) for lid in (0, 1)]
+    out = merge_round(huge, params=params, momentum=momentum, outer_state={}, segments=SEGMENTS,
+                      outer=Nesterov(lr=1.0, momentum=0.9), heloco=None)
+    assert out.answers == [] and sorted(out.overflowed) == [0, 1]
+    assert torch.equal(params, before[0]) and torch.equal(momentum, before[1])
+
+
+def test_past_the_bound_a_step_that_stays_finite_is_kept_bit_for_bit() -> None:
+    # 1e38 with lr 0.5, momentum 0.5: the bound (1.5e38 + …) crosses the headroom only through
+    # the momentum term; the real values stay finite, so the trial step on copies is kept.
+    params, momentum = torch.zeros(4), torch.tensor([-2.3e38, 0.0, 0.0, 0.0])
+    grad = torch.tensor([2e38, 1.0, 1.0, 1.0])
+    ref_p, ref_m = params.clone(), momentum.clone()
+    nesterov_step(ref_p, ref_m, grad, lr=0.5, momentum_coef=0.5)
+    assert bool(torch.isfinite(ref_p).all())
+    assert screen_step(Nesterov(lr=0.5, momentum=0.5), params, momentum, grad, {})
+    assert torch.equal(params, ref_p) and torch.equal(momentum, ref_m)
+
+
+def test_a_delta_whose_norm_overflows_float32_is_not_weighed() -> None:
+    # 1e20 is far from float32's limit, but its square is not: RDA could only give it weight 0
+    # and an infinite radius. It is left out before the merge and named.
+    good = answers()
+    odd = [a if a.learner_id == 0 else Answer(1, 1, 200, 4, torch.full((10,), 1e20), 0) for a in good]
+    p1, m1 = torch.ones(10), torch.zeros(10)
+    p2, m2 = torch.ones(10), torch.zeros(10)
+    out = merge_round(odd, params=p1, momentum=m1, outer_state={}, segments=SEGMENTS, outer=Nesterov(), heloco=None)
+    merge_round([a for a in good if a.learner_id == 0], params=p2, momentum=m2, outer_state={}, segments=SEGMENTS,
+                outer=Nesterov(), heloco=None)
+    assert out.overflowed == {1: pytest.approx(1e20)} and [a.learner_id for a in out.answers] == [0]
+    assert torch.equal(p1, p2) and out.delta_norms == [pytest.approx(float(good[1].delta.norm()))]

@@ -158,3 +158,30 @@ def test_make_outer_optimizer() -> None:
         lr=0.5, momentum=0.8, delay=5)
     with pytest.raises(ValueError, match="accepted: nesterov, delayed-nesterov"):
         make_outer_optimizer("adam", lr=0.5, momentum=0.8, delay=1)
+
+
+@pytest.mark.parametrize("opt", [Nesterov(lr=0.5, momentum=0.5), Nesterov(lr=3.0, momentum=0.95),
+                                 DelayedNesterov(lr=0.7, momentum=0.9, delay=3),
+                                 DelayedNesterov(lr=2.0, momentum=0.8, delay=4, activation=0.25)],
+                         ids=["nesterov", "nesterov-big", "delayed", "delayed-active"])
+def test_the_bound_covers_every_value_a_step_writes(opt: OuterOptimizer) -> None:
+    # One step at a time from the same inputs, so the bound (which sees each step's inputs) applies.
+    p, m = start(64, 2)
+    state: OuterState = {}
+    for g in grads(7, 64, 9):
+        accum = state.get(ACCUM_KEY)
+        bound = opt.bound(param=float(p.abs().max()), momentum=float(m.abs().max()), grad=float(g.abs().max()),
+                          accum=float(accum.abs().max()) if isinstance(accum, torch.Tensor) else 0.0)
+        before = (p.clone(), m.clone())
+        opt.step(p, m, g, state)
+        top = max(float(p.abs().max()), float(m.abs().max()),
+                  *(float(v.abs().max()) for v in state.values() if isinstance(v, torch.Tensor)))
+        assert top <= bound
+        # and it is not a wild overestimate: within the ratio of L-inf sums to the true maximum
+        assert bound < 50 * max(top, float(before[0].abs().max()))
+
+
+def test_the_nesterov_bound_by_hand() -> None:
+    # m' <= 0.5·2 + 4 = 5; step <= 4 + 0.5·5 = 6.5; lr·step = 3.25; p' <= 1 + 3.25 = 4.25
+    assert Nesterov(lr=0.5, momentum=0.5).bound(param=1.0, momentum=2.0, grad=4.0) == 6.5
+    assert Nesterov(lr=2.0, momentum=0.5).bound(param=100.0, momentum=2.0, grad=4.0) == 113.0
