@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
-NOP, PLAN, END, ERROR = 0, 1, 2, 3
+NOP, PLAN, END, ERROR, PROBE = 0, 1, 2, 3, 4
 FIRST_STORE_OP = 8  # stores number their own ops from here
 
 
@@ -70,6 +70,24 @@ class Conductor:
         """Rank 0: tell the others which collective comes next."""
         dist.broadcast(torch.tensor([op, a, b, c], dtype=torch.int64), 0, group=self.group)
         self._last_op = time.monotonic()
+
+    def island_probe(self, probe: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """The consensus probe for rank 0's session, run by every rank together: a sharded
+        forward pass (FSDP2, ZeRO-3, tensor or pipeline parallel) needs every rank, so rank 0
+        alone would hang in it. Every rank calls this (the others register the follower side);
+        rank 0 uses the result."""
+
+        def follow(_a: int, _b: int, _c: int) -> None:
+            with torch.no_grad():
+                probe()  # the same batch, the same collectives; only rank 0 reports the logits
+
+        self.handlers[PROBE] = follow
+
+        def lead() -> torch.Tensor:
+            self.announce(PROBE)
+            return probe()
+
+        return lead
 
     def plan(self, key: Any, make: Callable[[], Any]) -> tuple[int, Any]:
         """Rank 0: a numbered plan (e.g. a fragment's tensors), sent to the others on first use."""
@@ -114,3 +132,25 @@ class Conductor:
         with contextlib.suppress(RuntimeError):  # a peer already gone: nothing left to wait for
             dist.barrier(group=self.group)
         dist.destroy_process_group(self.group)
+
+
+class ConductedStore:
+    """The collective half of a multi-rank store: a `Conductor` and the calls every rank makes
+    (`yeto_core.island.CollectiveStore`). A store adds `specs`, `gather` and `install`."""
+
+    def __init__(self, *, timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
+        self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+        self.rank, self.world = self.conductor.rank, self.conductor.world
+
+    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
+        """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
+        return self.conductor.run(fn, encode)
+
+    def island_probe(self, probe: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return self.conductor.island_probe(probe)
+
+    def tick(self) -> None:
+        self.conductor.tick()
+
+    def close(self) -> None:
+        self.conductor.close()

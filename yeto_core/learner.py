@@ -326,6 +326,50 @@ class LearnerSession:
                     self.settings.learner_id, self.settings.final_timeout_s)
         return False
 
+    def sweep(self) -> bool:
+        """A boundary for every fragment at once, for trainers whose steps come in phases (RL:
+        rollouts, then updates): answer every PULL this learner holds, one push streaming at a
+        time, then wait for those rounds' merges and install them; with `overlap` return as soon
+        as the pushes are out (their merges are rebased in at later steps). `blocking_timeout_s`
+        bounds it, after which training goes on. True when the final cut was installed."""
+        if self.stats.final_installed:
+            return True
+        if stop_if_refused(self.settings, self.client.refused) or self.layout is None:
+            return False
+        deadline = time.monotonic() + self.settings.blocking_timeout_s
+        swept: list[PushJob] = []
+        while time.monotonic() < deadline and self.client.refused is None:
+            self._serve_init()
+            self._drain(timeout=0.0)
+            if self._final_ready():
+                self._install_final()
+                return True
+            self._install_bcasts()
+            before = self._push
+            self._boundary()
+            if self._push is not None and self._push is not before:
+                swept.append(self._push)
+            if not self._push_in_flight() and not self._sweep_left():
+                merged = all(self.fragments[j.pull.fragment].version > j.base_version for j in swept)
+                if self.settings.overlap or merged:
+                    return False
+            self.store.tick()
+            self._drain(timeout=0.05)
+        if self.client.refused is None:
+            log.warning("learner %d: sweep not done within %.0f s; training on", self.settings.learner_id,
+                        self.settings.blocking_timeout_s)
+        return False
+
+    def _sweep_left(self) -> bool:
+        """A PULL is held that a boundary can answer now, or once the BCAST it names is in."""
+        for pull in self._pulls.values():
+            state = self.fragments[pull.fragment]
+            if state.version < pull.version:
+                return True
+            if state.version == pull.version and state.anchor is not None and self.stats.steps > state.steps_mark:
+                return True
+        return False
+
     def _flushed(self) -> bool:
         """Every fragment's anchor was installed after the last trained step: each step is in a
         merged round (DONE only then, so the syncer never drops an answer it has not decoded)."""

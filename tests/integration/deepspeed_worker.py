@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))
 from launch import report
 
 from yeto_core.layout import build_layout
-from yeto_plugins.hf.island import ProcessGroupStore
+from yeto_plugins.torch_dist.store import ProcessGroupStore
 
 
 def share(obj: Any) -> Any:

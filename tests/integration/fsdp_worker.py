@@ -27,7 +27,7 @@ from launch import report
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
-from yeto_plugins.hf.island import ProcessGroupStore
+from yeto_plugins.torch_dist.store import ProcessGroupStore
 
 GLOBAL_BATCH = 16
 

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from islands import IslandSpec, init_island, rank_info, teardown
 from launch import report
 
-from yeto_plugins.swift_megatron.island import IslandError, Slot, shard_of
-from yeto_plugins.swift_megatron.masters import sub_optimizers
-from yeto_plugins.swift_megatron.sync import MegatronDiLoCoSync
+from yeto_plugins.megatron.masters import sub_optimizers
+from yeto_plugins.megatron.store import IslandError, Slot, shard_of
+from yeto_plugins.megatron.sync import MegatronDiLoCoSync
 
 OFFLINE = {"syncer": "127.0.0.1:9", "key": "k" * 32}  # never dialled: these modes do not start()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yeto_plugins.swift_megatron.island import Piece, Slot, _batches, _global_specs, join_shards, shard_of
-from yeto_plugins.swift_megatron.names import _globalize, canonical_order
+from yeto_plugins.megatron.names import _globalize, canonical_order
+from yeto_plugins.megatron.store import Piece, Slot, _batches, _global_specs, join_shards, shard_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

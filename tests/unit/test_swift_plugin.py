@@ -599,7 +599,7 @@ def test_the_default_sync_core_is_megatron_dilocosync(monkeypatch: pytest.Monkey
 
     # the real module needs Megatron ranks; only the wiring is checked here
     fake = SimpleNamespace(MegatronDiLoCoSync=MegatronDiLoCoSync)
-    monkeypatch.setitem(sys.modules, "yeto_plugins.swift_megatron.sync", fake)
+    monkeypatch.setitem(sys.modules, "yeto_plugins.megatron.sync", fake)
     monkeypatch.setenv("YETO_DILOCO_LEARNER_ID", "1")
     cb = YetoMegatronCallback(Trainer([NAME]))
     cb.on_train_begin()

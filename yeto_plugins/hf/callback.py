@@ -14,24 +14,25 @@ with the final model on disk; one WARNING line says so, and the `yeto_*` figures
 Trainer's log history (and with it `trainer_state.json`). A script that stops early for a reason
 of its own gets the final cut from `on_train_end`, before it saves the model.
 
-Under torchrun (DDP, or FSDP2 with DTensor parameters) the island is all of its processes: rank 0
-talks to the syncer and every rank takes part in its reads and writes (`island.py`), so every
-rank stops at the same step holding the same merged weights.
+Under torchrun (DDP, FSDP2 with DTensor parameters, DeepSpeed ZeRO) the island is all of its
+processes: `yeto_core.island.IslandSession` runs the learner on rank 0 and every rank takes part in
+its reads and writes (`yeto_plugins.torch_dist.store`), so every rank stops at the same step holding the same merged
+weights.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.hf.consensus import consensus_logs, logit_probe
-from yeto_plugins.hf.island import ProcessGroupStore
+from yeto_plugins.torch_dist.store import ProcessGroupStore
 
 log = logging.getLogger("yeto.hf")
 
@@ -70,12 +71,15 @@ class YetoDiLoCo(TrainerCallback):
     def __init__(self, **settings: Any) -> None:
         self.settings: LearnerSettings = load_settings(LearnerSettings, **settings)
         self.settings.read_key()  # a missing or short key fails building the Trainer, not its first step
-        self.session: LearnerSession | None = None  # on rank 0 of a multi-process island only
-        self.store: ProcessGroupStore | None = None  # a multi-process (DDP, FSDP2) island
+        self.island: IslandSession | None = None
         self.final_installed = False
         self._finish_asked = False  # finish() ran at the last step: on_train_end must not wait twice
-        self.pushes = self.installs = 0  # rank 0's counts, known on every rank
         self._tokens_seen = 0
+
+    @property
+    def session(self) -> LearnerSession | None:
+        """The learner session (on rank 0 of a multi-process island only)."""
+        return self.island.session if self.island is not None else None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, **kwargs: Any) -> None:
@@ -88,44 +92,26 @@ class YetoDiLoCo(TrainerCallback):
         named = synced_parameters(model, self.settings.tuning)
         self._tokens_seen = int(state.num_input_tokens_seen)
         probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
-        if args.world_size > 1:  # DDP or FSDP2: rank 0 talks to the syncer, the others follow
-            s = self.settings
-            self.store = ProcessGroupStore(named, embedding_names(model), timeout_s=s.collective_timeout_s,
-                                           heartbeat_s=min(5.0, s.collective_timeout_s / 4))
-            probe = self.store.island_probe(probe) if probe is not None else None
-            if self.store.rank == 0:
-                self.session = LearnerSession(s, store=self.store, probe=probe)
-            self._together(lambda session: session.start())
-            return
-        self.session = LearnerSession(self.settings, named, embedding_names=embedding_names(model), probe=probe)
-        self.session.start()
-
-    def _together(self, call: Callable[[LearnerSession], bool | None]) -> bool:
-        """Run a session call; in a multi-process island rank 0 runs it and every rank follows
-        its reads and writes, and every rank returns its answer."""
-        if self.store is None:
-            return bool(self.session is not None and call(self.session))
-
-        def encode(answer: bool | None) -> tuple[int, int, int]:
-            assert self.session is not None
-            return int(bool(answer)), self.session.stats.pushes, self.session.stats.installs
-
-        session = self.session
-        answer, self.pushes, self.installs = self.store.run(
-            (lambda: call(session)) if session is not None else None, encode)
-        return bool(answer)
+        s = self.settings
+        if args.world_size > 1:  # DDP, FSDP2 or ZeRO: rank 0 talks to the syncer, the others follow
+            store = ProcessGroupStore(named, embedding_names(model), timeout_s=s.collective_timeout_s,
+                                      heartbeat_s=min(5.0, s.collective_timeout_s / 4))
+            self.island = IslandSession(s, store=store, probe=probe)
+        else:
+            self.island = IslandSession(s, named, embedding_names=embedding_names(model), probe=probe)
+        self.island.start()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
-        if self.session is None and self.store is None:
+        if self.island is None:
             return control
         seen = int(state.num_input_tokens_seen)
         tokens, self._tokens_seen = seen - self._tokens_seen, seen
-        if self._together(lambda session: session.step(tokens)):
+        if self.island.step(tokens):
             self._final_cut(args, state, control, "")
         elif 0 < state.max_steps <= state.global_step:
             self._finish_asked = True
-            if self._together(lambda session: session.finish()):
+            if self.island.finish():
                 self._final_cut(args, state, control, f" (max_steps {state.max_steps} reached first)")
         return control
 
@@ -142,26 +128,21 @@ class YetoDiLoCo(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self.session is None and self.store is None:
+        if self.island is None:
             return
         try:
             if not self._finish_asked:
-                self.final_installed = self._together(lambda session: session.finish())
+                self.final_installed = self.island.finish()
         finally:
-            if self.session is not None:
-                self.session.close()
-            if self.store is not None:
-                self.store.close()
+            self.island.close()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if (self.session is not None or self.store is not None) and logs is not None:
-            figures: dict[str, Any] = {
-                "yeto_pushes": self.session.stats.pushes if self.session is not None else self.pushes,
-                "yeto_installs": self.session.stats.installs if self.session is not None else self.installs,
-            }
-            if self.session is not None:  # SPEC §2.7: the syncer's latest consensus figures
-                figures.update(consensus_logs(self.session.stats))
+        if self.island is not None and logs is not None:
+            stats = self.island.stats
+            figures: dict[str, Any] = {"yeto_pushes": stats.pushes, "yeto_installs": stats.installs}
+            if stats.learner is not None:  # SPEC §2.7: the syncer's latest consensus figures (rank 0)
+                figures.update(consensus_logs(stats.learner))
             if self.final_installed:
                 figures["yeto_final_cut"] = 1
             logs.update(figures)

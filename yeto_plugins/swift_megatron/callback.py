@@ -39,7 +39,8 @@ EVENTS = ("on_train_begin", "on_train_end", "on_step_begin", "on_step_end", "on_
 class SyncCore(Protocol):
     """What the callback needs of `MegatronDiLoCoSync` (every method is collective)."""
 
-    stats: Any
+    @property
+    def stats(self) -> Any: ...
 
     def start(self) -> None: ...
     def step(self, tokens: int) -> bool: ...
@@ -53,7 +54,7 @@ SyncFactory = Callable[[Any, Any, LearnerSettings], SyncCore]
 def megatron_sync(model: Any, optimizer: Any, settings: LearnerSettings) -> SyncCore:
     # Imported here: the sync core pulls in torch.distributed and megatron.core, which swift
     # loads anyway, but which importing the plugin file must not require.
-    from yeto_plugins.swift_megatron.sync import MegatronDiLoCoSync
+    from yeto_plugins.megatron.sync import MegatronDiLoCoSync
 
     sync: SyncCore = MegatronDiLoCoSync(model, optimizer, settings)
     return sync

@@ -19,29 +19,19 @@ islands with different parallel layouts share one model description.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from yeto_core.island import IslandSession, IslandStats
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
-from yeto_plugins.swift_megatron.island import IslandStore
-from yeto_plugins.swift_megatron.names import EMBEDDING
+from yeto_plugins.megatron.names import EMBEDDING
+from yeto_plugins.megatron.store import IslandStore
 
 log = logging.getLogger("yeto.megatron")
-
-
-@dataclass
-class IslandStats:
-    """Rank 0's learner counters, as every rank knows them after each call."""
-
-    steps: int = 0
-    pushes: int = 0
-    installs: int = 0
-    final_installed: bool = False
 
 
 class MegatronDiLoCoSync:
@@ -55,43 +45,38 @@ class MegatronDiLoCoSync:
                                  timeout_s=self.settings.collective_timeout_s,
                                  heartbeat_s=min(5.0, self.settings.collective_timeout_s / 4))
         self.rank = self.store.rank
-        self.session: LearnerSession | None = None
-        if self.rank == 0:
-            self.session = LearnerSession(self.settings, store=self.store, embedding_names={EMBEDDING})
-        self.stats = IslandStats()
-        self._closed = False
+        self.island = IslandSession(self.settings, store=self.store, embedding_names={EMBEDDING})
+        self.session: LearnerSession | None = self.island.session  # rank 0 only
 
     @property
     def names(self) -> list[str]:
         """The synced tensors' global names, in canonical order (the same on every rank)."""
         return [s.name for s in self.store.specs]
 
-    # -- the collective calls ----------------------------------------------------------------
+    @property
+    def stats(self) -> IslandStats:
+        return self.island.stats
+
+    # -- the collective calls (`IslandSession`) ----------------------------------------------------
     def start(self) -> None:
         """Connect (rank 0) and install the initial cut on every rank."""
-        def start() -> bool:
-            self._session().start()  # a permanent refusal raises here, on rank 0, unless alone_if_refused
-            return False
-
-        self._run(start)
+        self.island.start()
 
     def step(self, tokens: int) -> bool:
         """Account one optimizer step of `tokens` (the island's tokens, rank 0's value counts);
         True on every rank when the final cut was installed: stop training at this step."""
-        self.stats.steps += 1
-        return self._run(lambda: self._session().step(tokens))
+        return self.island.step(tokens)
+
+    def sweep(self) -> bool:
+        """Every pulled fragment pushed now, their merges waited for (see `IslandSession.sweep`)."""
+        return self.island.sweep()
 
     def finish(self) -> bool:
         """Training ended here first: wait (deadline `final_timeout_s`) for the final cut."""
-        return self._run(lambda: self._session().finish())
+        return self.island.finish()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.session is not None:
-            self.session.close()
-        self.store.close()
+        self.island.close()
 
     # -- whole-model access (checks, exports) --------------------------------------------------
     def read_all(self) -> dict[str, torch.Tensor] | None:
@@ -123,17 +108,6 @@ class MegatronDiLoCoSync:
 
         self._run(write)
 
-    # -- internals -----------------------------------------------------------------------------
-    def _session(self) -> LearnerSession:
-        assert self.session is not None, "only rank 0 runs the learner session"
-        return self.session
-
-    def _run(self, fn: Any) -> bool:
-        def encode(result: bool) -> tuple[int, int, int]:
-            s = self._session().stats
-            return int(bool(result)) | (int(s.final_installed) << 1), s.pushes, s.installs
-
-        flags, pushes, installs = self.store.run(fn if self.rank == 0 else None, encode)
-        self.stats.pushes, self.stats.installs = pushes, installs
-        self.stats.final_installed = bool(flags & 2)
-        return bool(flags & 1)
+    def _run(self, fn: Callable[[], bool]) -> None:
+        """A whole-model read or write: rank 0 runs `fn`, the other ranks follow."""
+        self.store.run(fn if self.rank == 0 else None, lambda _: (0, 0, 0))

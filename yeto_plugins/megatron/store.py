@@ -20,18 +20,18 @@ through the conductor, on every rank, instead of leaving the others waiting in a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from yeto_core.conductor import FIRST_STORE_OP, Conductor, IslandError
+from yeto_core.conductor import FIRST_STORE_OP, ConductedStore, IslandError
 from yeto_core.layout import Fragment, TensorSpec
 from yeto_core.store import check_fragment_values
-from yeto_plugins.swift_megatron.masters import Master, masters, write_parameter
-from yeto_plugins.swift_megatron.names import EMBEDDING, LocalParam, canonical_order, local_params
+from yeto_plugins.megatron.masters import Master, masters, write_parameter
+from yeto_plugins.megatron.names import EMBEDDING, LocalParam, canonical_order, local_params
 
 log = logging.getLogger("yeto.megatron")
 
@@ -102,13 +102,14 @@ def join_shards(out: torch.Tensor, slot: Slot, shards: list[torch.Tensor]) -> No
     torch.cat(ordered, dim=slot.tp_dim, out=out.view(slot.shape))
 
 
-class IslandStore:
-    """A `TensorStore` on rank 0; the other ranks call `run` with the same calls and follow."""
+class IslandStore(ConductedStore):
+    """A `CollectiveStore` for a Megatron island: rank 0's session reads and writes through it,
+    the other ranks call `run` with the same calls and follow."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, *, chunk_mib: int = 64,
                  timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
-        self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
-        self.group, self.rank, self.world = self.conductor.group, self.conductor.rank, self.conductor.world
+        super().__init__(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+        self.group = self.conductor.group
         plan_of = self.conductor.plan_of
         self.conductor.handlers[GATHER] = lambda plan, _b, _c: self._gather_batches(plan_of(plan), None)
         self.conductor.handlers[INSTALL] = lambda plan, _b, _c: self._install_batches(plan_of(plan), None)
@@ -133,13 +134,6 @@ class IslandStore:
         self.specs: list[TensorSpec] = specs
         self._shapes: dict[str, tuple[tuple[int, ...], int, int]] = shapes  # name -> (shape, tp_dim, stride)
         self._shard_counts = {p.name: p.shard[1] for c in self.catalogs for p in c if not p.alias}
-
-    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
-        """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
-        return self.conductor.run(fn, encode)
-
-    def tick(self) -> None:
-        self.conductor.tick()
 
     # -- TensorStore (rank 0) ----------------------------------------------------------------
     def _plan(self, fragment: Fragment) -> tuple[int, list[Slot]]:
@@ -242,9 +236,6 @@ class IslandStore:
             for lp, m in zip(self.local, self.masters, strict=True):
                 if lp.global_name in names:
                     write_parameter(lp, m, cut(Piece(lp.global_name, lp.param.numel(), lp.shard, m.owned, lp.alias)))
-
-    def close(self) -> None:
-        self.conductor.close()
 
 
 def _span(piece: Piece) -> int:

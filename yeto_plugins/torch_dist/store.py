@@ -16,25 +16,23 @@ the others follow its reads and writes over a gloo group of the island):
   `safe_set_full_fp32_param` and the low-precision parameter the forward pass uses (whole under
   ZeRO-1/2; under ZeRO-3 through `GatheredParameters`, which re-partitions it). Moments are kept.
 
-The consensus probe (SPEC §2.7) is an op of its own: every rank runs the same forward pass on the
-probe batch, and rank 0 reports its logits.
+The consensus probe (SPEC §2.7) is the conductor's op: every rank runs the same forward pass on
+the probe batch, and rank 0 reports its logits.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Collection, Sequence
-from typing import TypeVar
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
 
-from yeto_core.conductor import FIRST_STORE_OP, Conductor
+from yeto_core.conductor import FIRST_STORE_OP, ConductedStore
 from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
 from yeto_core.store import blend_into, check_fragment_values
 
-GATHER, INSTALL, PROBE = FIRST_STORE_OP, FIRST_STORE_OP + 1, FIRST_STORE_OP + 2
-T = TypeVar("T")
+GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -64,13 +62,13 @@ def _bits_alpha(bits: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
-class ProcessGroupStore:
-    """A `TensorStore` on rank 0 of a DDP or FSDP2 island; the other ranks follow (`run`)."""
+class ProcessGroupStore(ConductedStore):
+    """A `CollectiveStore` for a DDP, FSDP2 or ZeRO island: rank 0's session reads and writes
+    through it, the other ranks follow (`run`)."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], embedding_names: Collection[str] = (), *,
                  timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
-        self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
-        self.rank, self.world = self.conductor.rank, self.conductor.world
+        super().__init__(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
         self.params: dict[str, torch.Tensor] = dict(named_params)
         self.specs: list[TensorSpec] = [
             TensorSpec(s.name, _shape(self.params[s.name]), s.dtype, s.embedding)  # DTensor: global shape already
@@ -79,33 +77,6 @@ class ProcessGroupStore:
         self.conductor.handlers[GATHER] = self._follow_read
         self.conductor.handlers[INSTALL] = lambda plan, numel, bits: self._write(
             self.conductor.plan_of(plan), torch.empty(numel, dtype=torch.float32), _bits_alpha(bits))
-
-    def island_probe(self, probe: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """The consensus probe for rank 0's session, run by every rank together: an FSDP2 or
-        ZeRO-3 forward pass gathers parameters collectively, so rank 0 alone would hang in it.
-        Every rank calls this (the others register the follower side); rank 0 uses the result."""
-
-        def follow(_a: int, _b: int, _c: int) -> None:
-            with torch.no_grad():
-                probe()  # the same batch, the same collectives; only rank 0 reports the logits
-
-        self.conductor.handlers[PROBE] = follow
-
-        def lead() -> torch.Tensor:
-            self.conductor.announce(PROBE)
-            return probe()
-
-        return lead
-
-    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
-        """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
-        return self.conductor.run(fn, encode)
-
-    def tick(self) -> None:
-        self.conductor.tick()
-
-    def close(self) -> None:
-        self.conductor.close()
 
     # -- TensorStore (rank 0) ----------------------------------------------------------------
     def _plan(self, fragment: Fragment) -> tuple[int, tuple[TensorSlot, ...]]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from yeto_plugins.swift_megatron.names import LocalParam
+from yeto_plugins.megatron.names import LocalParam
 
 
 @dataclass
