@@ -191,7 +191,7 @@ class Coordinator(PushIntake, Outbox, Finale):
                 log.error("%s", exc)
         groups = [link.group for link in self.links.values()] + self._closed_groups
         for group in groups:
-            group.close("syncer stopped")
+            group.close("syncer stopped", last=Bye("syncer stopped"))  # what is queued goes out first
         for group in groups:
             group.join(timeout=5.0)
         return self.exit_code
@@ -311,8 +311,7 @@ class Coordinator(PushIntake, Outbox, Finale):
     def _refuse(self, link: Link, code: ErrorCode, reason: str) -> None:
         log.warning("refusing learner %d: %s", link.learner_id, reason)
         self.tape.append({"event": "refused", "learner": link.learner_id, "code": code.name, "reason": reason})
-        link.group.send(Error(code, reason))
-        link.group.close(reason)
+        link.group.close(reason, last=Error(code, reason))  # the ERROR goes out first, then the group closes
         self._retire(link.group)
 
     # -- messages ------------------------------------------------------------------------------

@@ -175,9 +175,7 @@ class SyncerClient:
         with self._group_lock:
             group = self._group
         if group is not None and not group.closed:
-            if bye:
-                group.send(Bye(reason))
-            group.close(reason)
+            group.close(reason, last=Bye(reason) if bye else None)  # BYE after whatever is queued
         for t in self._threads:
             if t.ident is not None:  # a client closed before `start` has no threads running
                 t.join(timeout=5.0)

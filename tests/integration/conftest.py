@@ -371,8 +371,18 @@ def eval_loss(proc: Proc, phase: str) -> dict[str, Any]:
 
 
 # -- a raw client speaking the wire protocol by hand (hostile peers) -------------------------------
-def dial(port: int) -> tuple[Stream, Challenge]:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S)
+def dial(port: int, rcvbuf: int = 0) -> tuple[Stream, Challenge]:
+    """Connect and read the CHALLENGE; `rcvbuf` > 0 sets a receive buffer that small before the
+    connection exists, so the window the syncer sees is small from the start."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(IO_TIMEOUT_S)
+    try:
+        sock.connect(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
     stream = Stream(sock, "hostile")
     challenge = stream.read_message()
     assert isinstance(challenge, Challenge), challenge
@@ -420,17 +430,18 @@ class RawPeer:
             stream.close()
 
 
-def join_raw(port: int, key: bytes, learner_id: int, fingerprint: bytes, data_streams: int = 1) -> RawPeer:
+def join_raw(port: int, key: bytes, learner_id: int, fingerprint: bytes, data_streams: int = 1,
+             rcvbuf: int = 0) -> RawPeer:
     """Authenticate as `learner_id` and attach `data_streams` data streams; the caller speaks (or
     stays silent) by hand and must close the peer."""
-    control, challenge = dial(port)
+    control, challenge = dial(port, rcvbuf)
     peer = RawPeer(control, [])
     try:
         control.send_frame(hello(learner_id, fingerprint, challenge.nonce, key, data_streams))
         welcome = control.read_message()
         assert isinstance(welcome, Welcome), welcome
         for i in range(data_streams):
-            stream, data_challenge = dial(port)
+            stream, data_challenge = dial(port, rcvbuf)
             peer.data.append(stream)
             stream.send_frame(Attach(welcome.token, i, auth.sign(key, auth.ATTACH_LABEL, data_challenge.nonce,
                                                                  welcome.token, bytes([i]))))

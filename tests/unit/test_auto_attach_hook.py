@@ -6,11 +6,13 @@ import os
 import site
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from pydantic import TypeAdapter
 
+from yeto_core.island import IslandStats
 from yeto_core.settings import SettingsError
 from yeto_plugins import autoattach
 
@@ -238,7 +240,7 @@ def test_attach_puts_yeto_before_the_loggers(monkeypatch: pytest.MonkeyPatch, tm
     trainer = transformers.Trainer(model=torch.nn.Linear(2, 2), args=args, callbacks=[Logger()])
     callback = attach(trainer, syncer="127.0.0.1:9", key="k" * 32)
     assert isinstance(callback, YetoDiLoCo) and trainer.callback_handler.callbacks[0] is callback
-    callback.pushes, callback.installs = 3, 5  # as after a few rounds
-    callback.store = object()  # type: ignore[assignment]  # "attached to a running island"
+    # As on a follower rank of a running island after a few rounds: counters, no learner stats.
+    callback.island = SimpleNamespace(stats=IslandStats(steps=8, pushes=3, installs=5))  # type: ignore[assignment]
     trainer.callback_handler.on_log(args, trainer.state, trainer.control, {"loss": 1.0})
     assert seen and seen[-1]["yeto_pushes"] == 3 and seen[-1]["yeto_installs"] == 5

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import yeto_core.wire.transport as transport
 from yeto_core.wire.errors import ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
@@ -209,7 +210,7 @@ def test_control_messages_arrive_in_order_both_ways(links: Links, n: int) -> Non
     sender.start()
     tickets = [a.group.send(m) for m in to_b]
     sender.join(WAIT_S)
-    assert all(t.done.is_set() and t.ok for t in tickets)  # control sends complete at once
+    assert all(t.wait(WAIT_S) for t in tickets)  # each completes once its frame is written
     assert [b.get() for _ in to_b] == [(m, None) for m in to_b]
     assert [a.get() for _ in to_a] == [(m, None) for m in to_a]
     assert not a.group.closed and not b.group.closed
@@ -294,10 +295,10 @@ def test_chunks_are_striped_round_robin_over_the_data_streams(links: Links, n: i
     assert received[1] == first and received[2] == second
 
 
-def test_empty_bulk_sends_no_chunk_and_completes_at_once(links: Links) -> None:
+def test_empty_bulk_sends_no_chunk_and_completes_with_its_header(links: Links) -> None:
     a, b = links.pair(2)
     ticket = a.group.send(PUSH, b"")
-    assert ticket.done.is_set() and ticket.ok
+    assert ticket.wait(WAIT_S)
     msg, payload = b.get()
     assert msg.nbytes == 0 and payload is not None and len(payload) == 0  # type: ignore[attr-defined]
 
@@ -892,3 +893,32 @@ def test_retiring_a_group_while_another_thread_starts_it(links: Links) -> None:
         a.group.join(0.0)  # must not fail on a thread that is not started yet
         starter.join(WAIT_S)
         assert a.group.join(WAIT_S), [t.name for t in a.group._threads if t.is_alive()]
+
+
+# -- a peer that stops reading --------------------------------------------------------------------
+
+
+def test_a_peer_that_stops_reading_never_blocks_the_sender(links: Links, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The raw end reads nothing: once its window and our buffers are full, the control sender
+    # thread waits; `send` itself returns at once, and past the queue bound the group closes.
+    monkeypatch.setattr(transport, "MAX_QUEUED_CONTROL_FRAMES", 500)
+    raw, side = links.raw_peer(1, heartbeat_s=30.0, peer_timeout_s=60.0)
+    for s in raw:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    big = Error(ErrorCode.REFUSED, "x" * 60_000)  # a few of these fill both ends' buffers
+    started = time.monotonic()
+    tickets = [side.group.send(big) for _ in range(600)]
+    took = time.monotonic() - started
+    assert took < 2.0, f"600 sends to a peer that reads nothing took {took:.1f} s"
+    reason = side.closed_with()
+    assert "the peer stopped reading: 500 control frames waiting" in reason
+    assert all(t.done.wait(WAIT_S) for t in tickets) and not tickets[-1].ok  # unsent frames failed
+
+
+def test_close_with_a_last_message_sends_it_after_what_was_queued(links: Links) -> None:
+    a, b = links.pair(1)
+    a.group.send(Pull(1, 1, 0, 0))
+    a.group.close("refused", last=Error(ErrorCode.DUPLICATE, "learner 0 is held"))
+    assert b.get()[0] == Pull(1, 1, 0, 0)
+    assert b.get()[0] == Error(ErrorCode.DUPLICATE, "learner 0 is held")
+    assert a.closed_with() == "refused"

@@ -52,8 +52,12 @@ log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
 SEND_PIECE = 1024 * 1024
+CONTROL_SNDBUF_BYTES = 64 * 1024
 SCHEDULES = ("rr", "adaptive")
 RATE_EMA = 0.3
+LAST_WORDS_S = 1.0
+MAX_QUEUED_CONTROL_FRAMES = 10_000
+"""Control frames a peer may leave unread before its group is closed (a few MiB at most)."""
 
 
 def pick_stream(backlog: list[int], rates: list[float | None], nbytes: int) -> int:
@@ -72,6 +76,11 @@ def tune_socket(sock: socket.socket, *, bulk: bool) -> None:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        return
+    # Control frames are small: a fixed send buffer (instead of one autotuned to megabytes) keeps
+    # what a peer that stopped reading can leave unread small, so its send deadline finds it.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CONTROL_SNDBUF_BYTES)
 
 
 class Stream:
@@ -165,7 +174,8 @@ class LazyPayload(Protocol):
 
 
 class SendTicket:
-    """Completion of one outgoing bulk transfer (all its chunks handed to the kernel)."""
+    """Completion of one outgoing bulk transfer (its header and all its chunks handed to the
+    kernel), or of one control frame."""
 
     def __init__(self, chunks: int) -> None:
         self._left = chunks
@@ -241,6 +251,12 @@ class ConnectionGroup:
         self._backlog = [0] * len(data)  # bytes queued per data stream, not yet written
         self._rates: list[float | None] = [None] * len(data)  # EWMA bytes/s per data stream
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in data]
+        # Control frames go out on a sender thread of their own, so whoever sends (the syncer's
+        # coordinator, a learner's training thread) never waits on a peer that stopped reading.
+        self._control_queue: queue.SimpleQueue[tuple[Message, SendTicket | None, str | None] | None] = (
+            queue.SimpleQueue())
+        self._control_queued = 0  # frames in the control queue, not yet written
+        self._heartbeat_queued = False
         self._next_transfer = 1
         self._next_stream = 0
         self._id_lock = threading.Lock()
@@ -265,7 +281,8 @@ class ConnectionGroup:
                 self.control.sock.settimeout(max(0.05, self._heartbeat_s / 2))
                 for stream in self.data:
                     stream.sock.settimeout(None)
-            targets: list[tuple[Callable[..., None], tuple[Any, ...], str]] = [(self._control_loop, (), "ctl")]
+            targets: list[tuple[Callable[..., None], tuple[Any, ...], str]] = [
+                (self._control_loop, (), "ctl"), (self._control_sender_loop, (), "ctl-tx")]
             for i, stream in enumerate(self.data):
                 targets.append((self._data_loop, (stream,), f"rx{i}"))
                 targets.append((self._sender_loop, (i, stream, self._queues[i]), f"tx{i}"))
@@ -309,7 +326,15 @@ class ConnectionGroup:
                     break
         return True
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, *, last: Message | None = None) -> None:
+        """Close the group; with `last`, send that control message first (after every control
+        frame queued before it; bounded by the control stream's timeout), then close."""
+        if last is not None and not self._closed.is_set():
+            if self._threads:
+                self._enqueue_control(last, None, reason)
+                return
+            with contextlib.suppress(OSError):  # not started: no sender thread to hand it to
+                self.control.send_frame(last)
         with self._close_lock:
             if self._closed.is_set():
                 return
@@ -319,6 +344,7 @@ class ConnectionGroup:
             stream.close()
         for q in self._queues:
             q.put(None)
+        self._control_queue.put(None)
         with self._id_lock:
             tickets, self._tickets = self._tickets, set()
         for ticket in tickets:
@@ -342,8 +368,14 @@ class ConnectionGroup:
         if not msg.BULK:
             if payload is not None:
                 raise ValueError(f"{msg.TYPE.name} carries no bulk payload")
-            self._send_control(msg)
-            return SendTicket(0)
+            ticket = SendTicket(1)
+            with self._id_lock:
+                self._tickets.add(ticket)
+            if self._closed.is_set():  # closed meanwhile: close() may not have seen this ticket
+                ticket.fail(self.close_reason or "connection closed")
+                return ticket
+            self._send_control(msg, ticket)
+            return ticket
         if payload is None:
             raise ValueError(f"{msg.TYPE.name} needs a bulk payload")
         lazy = payload if hasattr(payload, "fill") else None
@@ -357,9 +389,8 @@ class ConnectionGroup:
             transfer = self._next_transfer
             self._next_transfer += 1
             chunks = (total + CHUNK_BYTES - 1) // CHUNK_BYTES
-            ticket = SendTicket(chunks)
-            if chunks:
-                self._tickets.add(ticket)
+            ticket = SendTicket(chunks + 1)  # and the header on the control stream
+            self._tickets.add(ticket)
             targets = []
             for offset in range(0, total, CHUNK_BYTES):
                 n = min(CHUNK_BYTES, total - offset)
@@ -369,19 +400,63 @@ class ConnectionGroup:
                     i, self._next_stream = self._next_stream, (self._next_stream + 1) % len(self.data)
                 self._backlog[i] += n
                 targets.append(i)
-        self._send_control(dataclasses.replace(msg, transfer=transfer, nbytes=total))  # type: ignore[type-var]
+        self._send_control(dataclasses.replace(msg, transfer=transfer, nbytes=total), ticket)  # type: ignore[type-var]
         for i, offset in zip(targets, range(0, total, CHUNK_BYTES), strict=True):
             n = min(CHUNK_BYTES, total - offset)
             part = (lazy, n) if view is None else view[offset : offset + n]
             self._queues[i].put((ticket, transfer, total, offset, part))
         return ticket
 
-    def _send_control(self, msg: Message) -> None:
+    def _send_control(self, msg: Message, ticket: SendTicket | None = None) -> None:
+        if not self._threads:  # not started (a test driving a group by hand): write it here
+            self._write_control(msg, ticket, None)
+            return
+        self._enqueue_control(msg, ticket)
+
+    def _write_control(self, msg: Message, ticket: SendTicket | None, close_reason: str | None) -> bool:
         try:
             self.control.send_frame(msg)
-            self._last_sent = time.monotonic()
         except OSError as exc:
-            self.close(f"send failed on control stream: {exc}")
+            self.close(close_reason or f"send failed on control stream: {exc}")
+            return False
+        self._last_sent = time.monotonic()
+        if ticket is not None:
+            self._part_sent(ticket)
+        return True
+
+    def _part_sent(self, ticket: SendTicket) -> None:
+        ticket.chunk_sent()
+        if ticket.done.is_set():
+            with self._id_lock:
+                self._tickets.discard(ticket)
+
+    def _enqueue_control(self, msg: Message, ticket: SendTicket | None = None, close_reason: str | None = None) -> None:
+        with self._id_lock:
+            if self._control_queued >= MAX_QUEUED_CONTROL_FRAMES:
+                overflow = True
+            else:
+                overflow = False
+                self._control_queued += 1
+        if overflow:  # it has not read our last frames for a long while: it is not coming back
+            self.close(f"the peer stopped reading: {MAX_QUEUED_CONTROL_FRAMES} control frames waiting to be sent")
+            return
+        self._control_queue.put((msg, ticket, close_reason))
+
+    def _control_sender_loop(self) -> None:
+        while True:
+            item = self._control_queue.get()
+            if item is None:
+                return
+            msg, ticket, close_reason = item
+            with self._id_lock:
+                self._control_queued -= 1
+            if isinstance(msg, Heartbeat):
+                self._heartbeat_queued = False
+            if not self._write_control(msg, ticket, close_reason):
+                return
+            if close_reason is not None:
+                self.close(close_reason)
+                return
 
     def _sender_loop(self, index: int, stream: Stream, q: queue.SimpleQueue[Any]) -> None:
         scratch: memoryview | None = None  # this stream's encode buffer for lazy payloads
@@ -413,10 +488,7 @@ class ConnectionGroup:
                 rate = len(view) / took
                 old = self._rates[index]
                 self._rates[index] = rate if old is None else (1 - RATE_EMA) * old + RATE_EMA * rate
-            ticket.chunk_sent()
-            if ticket.done.is_set():
-                with self._id_lock:
-                    self._tickets.discard(ticket)
+            self._part_sent(ticket)
 
     # -- receiving -------------------------------------------------------------------------
     def _idle(self) -> None:
@@ -427,8 +499,9 @@ class ConnectionGroup:
             raise ConnectionClosed(f"no frame from the peer for {self._peer_timeout_s:g} s")
         if self._stall_timeout_s > 0:
             self._check_stall(now)
-        if now - self._last_sent >= self._heartbeat_s:
+        if now - self._last_sent >= self._heartbeat_s and not self._heartbeat_queued:
             self._hb_seq += 1
+            self._heartbeat_queued = bool(self._threads)
             self._send_control(Heartbeat(self._hb_seq, self._heartbeat_step()))
 
     def _check_stall(self, now: float) -> None:
@@ -496,6 +569,9 @@ class ConnectionGroup:
         except ProtocolError as exc:
             self._refuse(str(exc))
         except (ConnectionClosed, OSError) as exc:
+            # The peer's last control frames (an ERROR, a BYE) may still be on their way: the
+            # control reader gets a moment to read them before this stream's end closes the group.
+            self._closed.wait(LAST_WORDS_S)
             self.close(str(exc))
         except Exception as exc:
             log.exception("%s: data loop failed", self.name)
