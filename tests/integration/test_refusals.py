@@ -121,7 +121,7 @@ def test_a_wrong_key_island_stops_within_seconds_with_the_refusal(procs: Procs, 
 def test_a_second_live_process_with_a_taken_id_is_refused_and_exits(procs: Procs, key_file: Path) -> None:
     # No round budget: the run lasts until both learners trained their steps, long after the twin.
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4)
-    learners = [start_learner(procs, syncer, key_file, i, max_steps=1500) for i in range(2)]
+    learners = [start_learner(procs, syncer, key_file, i, max_steps=900) for i in range(2)]
     wait_until(lambda: len(syncer.commits()) >= 3, 90, "three commits", on_timeout=procs.tails)
 
     twin = start_learner(procs, syncer, key_file, 1, max_steps=5000, name="twin")  # left at an id in use
@@ -150,14 +150,14 @@ def test_a_process_restarted_after_the_holder_went_silent_takes_the_id_over(proc
     env = base_env({"YETO_SYNCER_PEER_TIMEOUT_S": "3", "YETO_SYNCER_HEARTBEAT_S": "0.5"})
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=1, fragments=4, env=env)
     first = start_learner(procs, syncer, key_file, 1, max_steps=5000, name="first", **fast)
-    holder = start_learner(procs, syncer, key_file, 0, max_steps=2000, **fast)
+    holder = start_learner(procs, syncer, key_file, 0, max_steps=1200, **fast)
     wait_until(lambda: any(1 in c["answered"] for c in syncer.commits()), 90, "learner 1 to answer a round",
                on_timeout=procs.tails)
     os.kill(first.pid, signal.SIGSTOP)  # a hung host: its sockets stay open, it says nothing
     try:
         wait_until(lambda: "learner 1 left" in syncer.proc.stderr(), 30, "the syncer to drop the silent holder",
                    on_timeout=syncer.proc.tail)
-        restarted = start_learner(procs, syncer, key_file, 1, max_steps=1000, name="restarted", **fast)
+        restarted = start_learner(procs, syncer, key_file, 1, max_steps=400, name="restarted", **fast)
         wait_until(lambda: "learner 1 replaced" in syncer.proc.stderr() or restarted.poll() is not None, 90,
                    "the restarted process to take id 1 over", on_timeout=procs.tails)
     finally:
