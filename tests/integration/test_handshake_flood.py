@@ -142,7 +142,10 @@ def test_slowloris_crowd_under_a_low_descriptor_limit_locks_no_learner_out(procs
                           max_descriptors=DESCRIPTORS)
     learners = [start_learner(procs, syncer, key_file, i, max_steps=1500, peer_timeout_s=3, heartbeat_s=0.5)
                 for i in range(2)]
-    wait_until(lambda: len(syncer.commits()) >= 4, 90, "four commits before the flood", on_timeout=procs.tails)
+    # Quorum 1: learner 0 alone can commit, so wait for both to have joined before the flood.
+    wait_until(lambda: len(syncer.commits()) >= 4 and all(f"learner {i} joined" in syncer.proc.stderr()
+                                                          for i in range(2)),
+               90, "both learners joined and four commits before the flood", on_timeout=procs.tails)
     assert all(lp.poll() is None for lp in learners), procs.tails()
     before = open_descriptors(syncer.proc.pid)
 
