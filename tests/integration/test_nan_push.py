@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Island, Procs, checkpoint_params, join_raw, start_syncer, syncer_exit_code, wait_until
+from conftest import Island, Procs, Syncer, checkpoint_params, join_raw, start_syncer, syncer_exit_code, wait_until
 
 from syncer.checkpoint import load_checkpoint
 from yeto_core.codecs import F32, tensor_bytes
@@ -19,6 +19,22 @@ from yeto_core.wire.transport import ConnectionGroup
 pytestmark = pytest.mark.integration
 
 ROUNDS = 40
+
+
+def close_both(group: ConnectionGroup | None, island: Island) -> None:
+    if group is not None:
+        group.close("test: cleanup")
+        group.join(10)
+    island.close()
+
+
+def assert_holds_the_final_checkpoint(island: Island, syncer: Syncer) -> None:
+    """The syncer's final checkpoint is finite and the island holds it, bit for bit."""
+    assert syncer.checkpoint is not None
+    ckpt = checkpoint_params(syncer.checkpoint)
+    for name, param in island.model.named_parameters():
+        assert torch.isfinite(ckpt[name]).all(), name
+        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the final checkpoint"
 
 
 @pytest.mark.timeout(180)
@@ -62,10 +78,7 @@ def test_a_non_finite_push_is_refused_and_never_reaches_the_model(procs: Procs, 
         island.train_until(lambda: False, 120, "the final cut")
         assert island.finished and island.session.stats.final_installed
     finally:
-        if group is not None:
-            group.close("test: cleanup")
-            group.join(10)
-        island.close()
+        close_both(group, island)
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
 
     records = syncer.tape_records()
@@ -74,11 +87,7 @@ def test_a_non_finite_push_is_refused_and_never_reaches_the_model(procs: Procs, 
     done = [r for r in records if r["event"] == "commit"]
     assert [r["round"] for r in done] == list(range(ROUNDS))
     assert all(r["learners"] == [0] for r in done), "the poisoned push was merged"
-    assert syncer.checkpoint is not None
-    ckpt = checkpoint_params(syncer.checkpoint)
-    for name, param in island.model.named_parameters():
-        assert torch.isfinite(ckpt[name]).all(), name
-        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the final checkpoint"
+    assert_holds_the_final_checkpoint(island, syncer)
 
 
 @pytest.mark.timeout(120)
@@ -163,10 +172,7 @@ def test_a_finite_delta_that_would_overflow_the_merge_is_left_out_and_named(proc
         island.train_until(answer_pulls, 120, "the final cut")
         assert island.finished and island.session.stats.final_installed
     finally:
-        if group is not None:
-            group.close("test: cleanup")
-            group.join(10)
-        island.close()
+        close_both(group, island)
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
 
     records = syncer.tape_records()
@@ -182,7 +188,4 @@ def test_a_finite_delta_that_would_overflow_the_merge_is_left_out_and_named(proc
     assert syncer.checkpoint is not None
     state = load_checkpoint(syncer.checkpoint)
     assert all(bool(torch.isfinite(m).all()) for m in state.momentum)
-    ckpt = checkpoint_params(syncer.checkpoint)
-    for name, param in island.model.named_parameters():
-        assert torch.isfinite(ckpt[name]).all(), name
-        assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the final checkpoint"
+    assert_holds_the_final_checkpoint(island, syncer)
