@@ -1,4 +1,4 @@
-"""One round's merge, as a function of tensors and settings (SPEC §3.6).
+"""One round's merge, as a function of tensors and settings (DESIGN §5).
 
 The coordinator hands over the answers of a closed round; this module corrects stale deltas
 (HeLoCo, optional), weights the learners (tokens²/steps), merges (RDA per tensor, plain average

@@ -1,4 +1,4 @@
-"""The syncer's half of the consensus signal (SPEC §2.7): how far apart the islands are.
+"""The syncer's half of the consensus signal (DESIGN §8.2, §8.3): how far apart the islands are.
 
 `ConsensusBoard` keeps each connected learner's latest probe summary (PROBE_REPORT) and, after
 every commit, reports

@@ -1,4 +1,4 @@
-"""HeLoCo delta correction: stale learner deltas realigned with the outer momentum (SPEC §3.6).
+"""HeLoCo delta correction: stale learner deltas realigned with the outer momentum (DESIGN §5.4).
 
 HeLoCo ("HeLoCo: Efficient asynchronous low-communication training under data and device
 heterogeneity", arXiv:2606.00271) uses the outer momentum as the reference for where training is

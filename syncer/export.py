@@ -1,4 +1,4 @@
-"""`yeto-export`: turn a syncer checkpoint into a Hugging Face model directory (SPEC §3.9).
+"""`yeto-export`: turn a syncer checkpoint into a Hugging Face model directory (DESIGN §6.5).
 
     yeto-export --checkpoint syncer.safetensors --model CONFIG_DIR_OR_CACHED_ID --output-dir out/
     yeto-export --checkpoint syncer.safetensors --model BASE_MODEL --adapter-config ADAPTER_DIR --output-dir out/

@@ -1,4 +1,4 @@
-"""The syncer's merge math: pure functions over tensors (SPEC §2.2, §3.6).
+"""The syncer's merge math: pure functions over tensors (DESIGN §3.1, §5).
 
 A round hands the syncer one fragment's deltas from M learners as a single ``[M, N]`` float32
 buffer, one row per learner, each row the learner's d = θ_local − anchor laid out as the

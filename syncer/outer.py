@@ -1,4 +1,4 @@
-"""Outer optimizers behind one interface: Nesterov and delayed Nesterov (SPEC §3.6).
+"""Outer optimizers behind one interface: Nesterov and delayed Nesterov (DESIGN §5.3).
 
 An outer optimizer turns a fragment's outer gradient g (``merge.outer_gradient``: the negated
 merged delta) into an in-place update of the fragment's flat parameter buffer and its momentum

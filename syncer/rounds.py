@@ -1,4 +1,4 @@
-"""Round decisions as pure functions of state, time and config (SPEC §3.2–3.5).
+"""Round decisions as pure functions of state, time and config (DESIGN §4.3–4.6).
 
 Nothing here sends, sleeps or reads a clock: the coordinator passes `now` in and acts on the
 returned decision, and every decision comes with its reason (which goes to the event tape).
@@ -196,7 +196,7 @@ def judge_push(
     version_now: int,
     cfg: SchedulerConfig,
 ) -> tuple[PushFate, str]:
-    """What to do with a push (SPEC §3.2, §3.5). `attempt` is the open attempt of the push's round
+    """What to do with a push (DESIGN §4.3, §4.6). `attempt` is the open attempt of the push's round
     (when `round_state` is OPEN); `version_now` the fragment's current global version."""
     if fragment != round_fragment:
         return PushFate.REFUSE, f"round {round_id} merges fragment {round_fragment}, not {fragment}"

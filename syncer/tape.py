@@ -1,4 +1,4 @@
-"""The syncer's event tape: one JSON object per line, appended in commit order (SPEC §3.8).
+"""The syncer's event tape: one JSON object per line, appended in commit order (DESIGN §6.4).
 
 Every record is written whole (keys sorted, newline-terminated), flushed and fsynced before
 ``append`` returns, so a crash can tear at most the last line. ``read_tape`` ignores such a torn

@@ -1,4 +1,4 @@
-"""Which fragments an island waits for at their boundary (SPEC §2.6, Factored Gossip's Mix2).
+"""Which fragments an island waits for at their boundary (DESIGN §3.4, Factored Gossip's Mix2).
 
 Most fragments are non-blocking: a learner pushes and trains on, installing the merged value
 whenever it arrives. A few are worth waiting for, because islands drift apart fastest there: the

@@ -1,4 +1,4 @@
-"""Push codecs: how a fragment's flat float32 delta becomes wire bytes (SPEC §4.4).
+"""Push codecs: how a fragment's flat float32 delta becomes wire bytes (DESIGN §7.3, PROTOCOL §8).
 
 A codec turns a contiguous 1-D float32 tensor into exactly ``encoded_nbytes(numel)`` bytes and
 back. Bytes are little-endian. ``wire_id`` goes on the wire, so the numbers never change.

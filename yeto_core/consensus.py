@@ -1,4 +1,4 @@
-"""The consensus signal (SPEC §2.7): how far apart the islands' models are, seen from outside.
+"""The consensus signal (DESIGN §8.2): how far apart the islands' models are, seen from outside.
 
 Every learner evaluates the same fixed probe batch and summarizes its output distribution per
 probe token as the top-k token probabilities plus the mass left over (`ProbeSummary`). The

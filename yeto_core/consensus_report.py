@@ -1,4 +1,4 @@
-"""The learner's half of the consensus signal (SPEC §2.7).
+"""The learner's half of the consensus signal (DESIGN §8.1).
 
 After the session installs merged fragments (at most once every `consensus_every` installs; the
 initial cut does not count) it calls the trainer plugin's probe on the training thread, under

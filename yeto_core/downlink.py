@@ -1,4 +1,4 @@
-"""Downlink deltas (SPEC §4.5): broadcasts as bf16(Θ − anchor) instead of the full f32 fragment.
+"""Downlink deltas (DESIGN §7.4): broadcasts as bf16(Θ − anchor) instead of the full f32 fragment.
 
 Both ends keep, per fragment, a bit-identical f32 *downlink anchor*: the value the learner holds
 for the fragment. A delta broadcast carries bf16(Θ − anchor); both ends then compute

@@ -1,4 +1,4 @@
-"""Fragment layout: which trainable tensor syncs in which fragment (SPEC §2.1).
+"""Fragment layout: which trainable tensor syncs in which fragment (DESIGN §2).
 
 Every learner and the syncer call ``build_layout`` on the same ordered list of ``TensorSpec``
 (the model's trainable tensors, in parameter order) and must arrive at the same answer without

@@ -1,4 +1,4 @@
-"""The bandwidth probe (SPEC §4.6): measure an island's link to the syncer before joining.
+"""The bandwidth probe (DESIGN §7.6): measure an island's link to the syncer before joining.
 
     result = measure_link(("syncer", 7070), key, up_bytes=16 << 20, down_bytes=16 << 20)
 

@@ -1,4 +1,4 @@
-"""Block-quantized push codecs (SPEC §4.4): ``int8``, ``int4``, ``e3m0`` and ``int4-log``.
+"""Block-quantized push codecs (DESIGN §7.3, PROTOCOL §8): ``int8``, ``int4``, ``e3m0`` and ``int4-log``.
 
 Every payload has the same container, little-endian throughout::
 

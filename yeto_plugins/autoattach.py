@@ -1,5 +1,5 @@
 """`YETO_DILOCO_AUTO_ATTACH=1`: every HF Trainer in the process gets `YetoDiLoCo()`, with no change
-to the training script (SPEC §5.1).
+to the training script (DESIGN §1.4).
 
 The package installs `yeto-autoattach.pth` into site-packages, and Python runs its one line
 (`PTH_LINE`) at start-up. The line reads the variable and stops there when it is unset, empty or

@@ -1,4 +1,4 @@
-"""WAN emulation (SPEC §4.6): two private network namespaces joined by one veth pair, shaped by tc.
+"""WAN emulation (DESIGN §7.6): two private network namespaces joined by one veth pair, shaped by tc.
 
     syncer namespace  10.213.<n>.1/30 ==veth== 10.213.<n>.2/30  learner namespace
 

@@ -1,5 +1,5 @@
 """An unmodified HF script joins a run with only `YETO_DILOCO_AUTO_ATTACH=1` and the syncer's
-address in its environment (SPEC §5.1), and ends with the final cut on disk when it relies on
+address in its environment (DESIGN §1.4), and ends with the final cut on disk when it relies on
 the Trainer's own saving. Without the variable it never imports yeto's callback; with only the
 syncer's address set it says once that it trains alone."""
 

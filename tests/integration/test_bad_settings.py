@@ -1,4 +1,4 @@
-"""A bad setting fails at start-up with one message that names it (SPEC §6, yeto_core.settings)."""
+"""A bad setting fails at start-up with one message that names it (DESIGN §1.6, yeto_core.settings)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The bandwidth probe (SPEC §4.6) against the real syncer: it measures, it is sealed with the key,
+"""The bandwidth probe (DESIGN §7.6) against the real syncer: it measures, it is sealed with the key,
 and a learner whose link is below its minimum exits with code 75 saying what it measured."""
 
 from __future__ import annotations

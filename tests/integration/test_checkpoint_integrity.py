@@ -1,5 +1,5 @@
 """A damaged checkpoint never resumes a run and never exports: `python -m syncer --resume` and
-`yeto-export` refuse it with one line naming the tensor (issue 14, SPEC §3.8)."""
+`yeto-export` refuse it with one line naming the tensor (issue 14, DESIGN §6.3, §6.5)."""
 
 from __future__ import annotations
 

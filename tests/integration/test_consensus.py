@@ -1,4 +1,4 @@
-"""The consensus signal (SPEC §2.7) in a real run: two HF islands on different shards, a real syncer.
+"""The consensus signal (DESIGN §8) in a real run: two HF islands on different shards, a real syncer.
 
 Both islands start from learner 0's initial cut, train on their own halves of the text, and merge
 every fragment round. The syncer's commit records must carry the learners' Jensen–Shannon

@@ -1,5 +1,5 @@
 """Durable or stop: a syncer whose checkpoint cannot be written holds its rounds and retries, and
-stops with a clear error rather than broadcasting what is not durable (issue 14, SPEC §3.8).
+stops with a clear error rather than broadcasting what is not durable (issue 14, DESIGN §6.2).
 
 The checkpoint lives on a small disk that the test fills: a 4 MiB tmpfs when the test may mount
 one (root), otherwise a directory in the way of the checkpoint's temporary file. Both make every

@@ -1,4 +1,4 @@
-"""`python -m syncer` exits 0 after finalization, however many connections it served (SPEC §3)."""
+"""`python -m syncer` exits 0 after finalization, however many connections it served (DESIGN §4.7)."""
 
 from __future__ import annotations
 

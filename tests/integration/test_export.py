@@ -1,4 +1,4 @@
-"""`yeto-export` (SPEC §3.9): a loadable HF model from the syncer checkpoint alone, no learner alive."""
+"""`yeto-export` (DESIGN §6.5): a loadable HF model from the syncer checkpoint alone, no learner alive."""
 
 from __future__ import annotations
 

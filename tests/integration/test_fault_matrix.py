@@ -1,4 +1,4 @@
-"""The fault matrix (SPEC §3.8–3.9): the syncer is SIGKILLed at each named fault point, restarted
+"""The fault matrix (DESIGN §9.2): the syncer is SIGKILLed at each named fault point, restarted
 with `--resume` on the same port, and the run ends with final weights bit-identical to an
 undisturbed run of the same deterministic schedule (`lockstep.py` says what makes a schedule
 deterministic). The token ledger of the disturbed run equals the undisturbed one's: no round's

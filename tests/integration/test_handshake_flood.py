@@ -1,4 +1,4 @@
-"""Nobody can lock learners out of the syncer without the key (issue 14, SPEC §6).
+"""Nobody can lock learners out of the syncer without the key (issue 14, DESIGN §9.4).
 
 * A slowloris crowd (100 connections from another address, each trickling a byte a second and
   reconnecting when cut) against a syncer under `ulimit -n 64`, while two real HF learners train:

@@ -1,5 +1,5 @@
 """HF islands of several processes: DDP under torchrun (gloo, CPU) against the real syncer, and
-FSDP2 islands (`fully_shard`) whose reads and writes must be exact (SPEC §5.1)."""
+FSDP2 islands (`fully_shard`) whose reads and writes must be exact (DESIGN §1.3, §1.4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A syncer killed mid-run resumes from its checkpoint; the islands redial and finish with it
-(SPEC §3.8, §4.6: a crashed syncer costs minutes, not the run)."""
+(DESIGN §6.3, §9.2: a crashed syncer costs minutes, not the run)."""
 
 from __future__ import annotations
 

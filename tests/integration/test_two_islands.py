@@ -1,4 +1,4 @@
-"""Two HF islands and a real syncer on loopback: both ways a run can end (SPEC §2.9, §3.2, §3.8)."""
+"""Two HF islands and a real syncer on loopback: both ways a run can end (DESIGN §3.7, §4.7, §6.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""WAN emulation (SPEC §4.6): the syncer and two learners in separate network namespaces, across a
+"""WAN emulation (DESIGN §7.6): the syncer and two learners in separate network namespaces, across a
 veth link shaped by tc. The run completes its rounds and every learner ends with the syncer's final
 checkpoint, bit for bit. Skips, saying exactly what failed, where the machine cannot emulate the link."""
 
@@ -19,7 +19,7 @@ ROUNDS = 16
 LEARNER = Path(__file__).resolve().parent / "netns_learner.py"
 
 SHAPES = {
-    # The link SPEC §4.6 asks for: needs the kernel's netem qdisc.
+    # A lossy WAN link (DESIGN §7.6): needs the kernel's netem qdisc.
     "netem-50mbit-20ms-loss0.5": Shape(rate="50mbit", delay="20ms", loss="0.5%"),
     # A rate limit alone (tbf), for kernels without netem.
     "tbf-20mbit": Shape(rate="20mbit"),

@@ -1,4 +1,4 @@
-"""The consensus signal's math and wire form (SPEC §2.7), against hand-written references."""
+"""The consensus signal's math and wire form (DESIGN §8.2), against hand-written references."""
 
 from __future__ import annotations
 

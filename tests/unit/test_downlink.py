@@ -1,4 +1,4 @@
-"""Downlink deltas (SPEC §4.5): the syncer's and the learner's anchors stay bit-identical."""
+"""Downlink deltas (DESIGN §7.4): the syncer's and the learner's anchors stay bit-identical."""
 
 import pytest
 import torch

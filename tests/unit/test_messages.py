@@ -643,7 +643,7 @@ def test_a_probe_larger_than_the_bound_is_refused_on_decode() -> None:
         BwProbe.decode(body)
 
 
-# -- the consensus messages (SPEC §2.7) ------------------------------------------------------------
+# -- the consensus messages (DESIGN §8) --------------------------------------------------------------
 
 
 def test_a_probe_summary_larger_than_the_bound_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""HMAC-SHA256 challenge–response (SPEC §4.2).
+"""HMAC-SHA256 challenge–response (DESIGN §7.2, PROTOCOL §4.3).
 
 The syncer opens every stream with a fresh 32-byte nonce. The learner answers with
 HMAC(key, label | nonce | what it claims), so a recorded HELLO cannot be replayed on another

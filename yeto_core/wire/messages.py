@@ -97,9 +97,9 @@ class Challenge(Message):
 
 
 HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the control stream
-HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (SPEC §4.5)
-HELLO_CONSENSUS = 0x4  # flag: this learner takes CONSENSUS messages (SPEC §2.7)
-HELLO_OVERLAP = 0x8  # flag: this learner rebases on merged pushes (SPEC §2.5): never carry its late pushes
+HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (DESIGN §7.4)
+HELLO_CONSENSUS = 0x4  # flag: this learner takes CONSENSUS messages (DESIGN §8)
+HELLO_OVERLAP = 0x8  # flag: this learner rebases on merged pushes (DESIGN §3.3, §4.6): never carry its late pushes
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,7 +504,7 @@ class BwProbe(Message):
 
 @dataclass(frozen=True, slots=True)
 class ProbeReport(Message):
-    """Learner → syncer (SPEC §2.7): its output distribution on the fixed probe batch, summarized
+    """Learner → syncer (DESIGN §8.1): its output distribution on the fixed probe batch, summarized
     (`yeto_core.consensus` wire form, at most MAX_SUMMARY_BYTES), taken at optimizer step `step`
     right after installing merged fragments; `installed` is the sum of the fragment versions it
     held then (how many committed rounds its weights reflect), so the syncer compares only
@@ -532,7 +532,7 @@ UNKNOWN = -1.0  # CONSENSUS: a value not measured yet
 
 @dataclass(frozen=True, slots=True)
 class Consensus(Message):
-    """Syncer → learner after a commit (SPEC §2.7): the mean pairwise Jensen–Shannon distance of the
+    """Syncer → learner after a commit (DESIGN §8.2): the mean pairwise Jensen–Shannon distance of the
     learners' latest probe summaries (over `learners` learners; `js` is UNKNOWN while fewer than
     two are comparable) and, per fragment, the mean L2 norm of the learners' last merged deltas
     θ − anchor (UNKNOWN for a fragment not merged yet)."""

@@ -1,4 +1,4 @@
-"""Reassembly of bulk transfers (SPEC §4.1): the receiving half of a connection group.
+"""Reassembly of bulk transfers (PROTOCOL §1.3): the receiving half of a connection group.
 
 A bulk message arrives as one announcement on the control stream and CHUNK frames of at most
 4 MiB on the data streams, in whichever order. Each chunk is read with `recv_into` straight into

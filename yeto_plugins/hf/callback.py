@@ -1,4 +1,4 @@
-"""`YetoDiLoCo`: the HF Trainer callback that makes a Trainer run one DiLoCo island (SPEC §5.1).
+"""`YetoDiLoCo`: the HF Trainer callback that makes a Trainer run one DiLoCo island (DESIGN §1.4).
 
     trainer.add_callback(YetoDiLoCo())                  # settings from YETO_DILOCO_*
     trainer.add_callback(YetoDiLoCo(syncer="10.0.0.5:7070", key_file="key", learner_id=1))
@@ -141,7 +141,7 @@ class YetoDiLoCo(TrainerCallback):
         if self.island is not None and logs is not None:
             stats = self.island.stats
             figures: dict[str, Any] = {"yeto_pushes": stats.pushes, "yeto_installs": stats.installs}
-            if stats.learner is not None:  # SPEC §2.7: the syncer's latest consensus figures (rank 0)
+            if stats.learner is not None:  # DESIGN §8: the syncer's latest consensus figures (rank 0)
                 figures.update(consensus_logs(stats.learner))
             if self.final_installed:
                 figures["yeto_final_cut"] = 1

@@ -1,4 +1,4 @@
-"""The HF island's part of the consensus signal (SPEC §2.7): the probe, and the log fields.
+"""The HF island's part of the consensus signal (DESIGN §8.1): the probe, and the log fields.
 
 The probe batch is `consensus_tokens` token ids drawn from a generator with a fixed seed over the
 model's vocabulary, so every island of a run probes exactly the same batch. The probe runs the

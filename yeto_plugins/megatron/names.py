@@ -1,4 +1,4 @@
-"""Global names for a Megatron island's trainable tensors (SPEC §5.2).
+"""Global names for a Megatron island's trainable tensors (DESIGN §1.5).
 
 Every island must describe the same model with the same names and shapes, whatever its own
 TP/PP/EP split, or the layout fingerprints differ and the syncer refuses it. A rank's

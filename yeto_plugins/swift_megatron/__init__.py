@@ -1,4 +1,4 @@
-"""ms-swift Megatron plugin (SPEC §5.2): `--external_plugins .../plugin/swift_plugin.py --callbacks yeto_diloco`.
+"""ms-swift Megatron plugin (DESIGN §1.5): `--external_plugins .../plugin/swift_plugin.py --callbacks yeto_diloco`.
 
 Importing this package loads neither swift nor Megatron: swift imports the plugin file on every
 rank while it parses arguments, and the sync core is loaded only when training begins.

@@ -1,4 +1,4 @@
-"""`YetoMegatronCallback`: the ms-swift Megatron callback that makes `megatron sft` one DiLoCo island (SPEC §5.2).
+"""`YetoMegatronCallback`: the ms-swift Megatron callback that makes `megatron sft` one DiLoCo island (DESIGN §1.5).
 
     megatron sft ... --callbacks yeto_diloco \
         --external_plugins <yeto>/yeto_plugins/swift_megatron/plugin/swift_plugin.py

@@ -1,4 +1,4 @@
-"""Put yeto into ms-swift's Megatron callback registry; swift itself is never patched (SPEC §5.2).
+"""Put yeto into ms-swift's Megatron callback registry; swift itself is never patched (DESIGN §1.5).
 
 swift builds each name in `args.callbacks` as `megatron_callbacks_map[name](trainer)`, and
 appends `print` and `default_flow` after the user's `--callbacks`. `register()` adds

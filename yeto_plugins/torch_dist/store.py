@@ -16,7 +16,7 @@ the others follow its reads and writes over a gloo group of the island):
   `safe_set_full_fp32_param` and the low-precision parameter the forward pass uses (whole under
   ZeRO-1/2; under ZeRO-3 through `GatheredParameters`, which re-partitions it). Moments are kept.
 
-The consensus probe (SPEC §2.7) is the conductor's op: every rank runs the same forward pass on
+The consensus probe (DESIGN §8.1) is the conductor's op: every rank runs the same forward pass on
 the probe batch, and rank 0 reports its logits.
 """
 
