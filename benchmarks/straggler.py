@@ -1,11 +1,11 @@
 """One 5x straggler among three islands: decoupled rounds (quorum 2 of 3 + grace) vs lock-step (quorum 3).
 
-    python -m benchmarks.straggler [--seconds 25] [--fast-step-ms 20] [--slowdown 5] [--grace-ms 200]
+    python -m benchmarks.straggler [--seconds 25] [--fast-step-ms 20] [--slowdown 5] [--grace-s 0.2]
 
 Both arms run in one invocation, one after the other, under the same settings:
 
 * **The syncer** is the real `python -m syncer` in a subprocess on loopback (`--learners 3
-  --fragments 4 --sync-interval-steps H --device cpu --tape T`), with `--quorum 2 --grace-ms G`
+  --fragments 4 --sync-interval-steps H --device cpu --tape T`), with `--quorum 2 --grace-s G`
   for the decoupled arm and `--quorum 3` for the lock-step arm. No round budget: an arm ends
   after `--seconds`, when the islands close and the syncer is stopped by its pid.
 * **Islands** are in-process `yeto_core.learner.LearnerSession`s over a small MLP with real SGD
@@ -114,12 +114,12 @@ def read_tape(path: Path) -> list[dict]:
     return [json.loads(raw) for raw in path.read_bytes().split(b"\n")[:-1] if raw.strip()]
 
 
-def start_syncer(workdir: Path, key_file: Path, quorum: int, grace_ms: int,
+def start_syncer(workdir: Path, key_file: Path, quorum: int, grace_s: float,
                  tag: str) -> tuple[subprocess.Popen, str, Path]:
     tape = workdir / f"tape-{tag}.jsonl"
     argv = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", "3",
             "--quorum", str(quorum), "--fragments", str(FRAGMENTS), "--sync-interval-steps", str(SYNC_INTERVAL),
-            "--grace-ms", str(grace_ms), "--device", "cpu", "--tape", str(tape), "--key-file", str(key_file),
+            "--grace-s", str(grace_s), "--device", "cpu", "--tape", str(tape), "--key-file", str(key_file),
             "--checkpoint", str(workdir / f"{tag}.safetensors"), "--checkpoint-every", "1000000",
             "--log-level", "WARNING"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
@@ -141,7 +141,7 @@ def start_syncer(workdir: Path, key_file: Path, quorum: int, grace_ms: int,
 
 
 def run_arm(name: str, quorum: int, args: argparse.Namespace, workdir: Path, key_file: Path) -> Arm:
-    proc, address, tape = start_syncer(workdir, key_file, quorum, args.grace_ms, name)
+    proc, address, tape = start_syncer(workdir, key_file, quorum, args.grace_s, name)
     fast = args.fast_step_ms / 1000.0
     islands = [Island(address, key_file, 0, fast), Island(address, key_file, 1, fast),
                Island(address, key_file, 2, fast * args.slowdown)]
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=25.0, help="measured wall clock per arm (default 25)")
     p.add_argument("--fast-step-ms", type=float, default=20.0, help="step period of learners 0 and 1 (default 20)")
     p.add_argument("--slowdown", type=float, default=5.0, help="learner 2's step period / the fast one (default 5)")
-    p.add_argument("--grace-ms", type=int, default=200, help="--grace-ms of the decoupled arm (default 200)")
+    p.add_argument("--grace-s", type=float, default=0.2, help="--grace-s of the decoupled arm (default 0.2)")
     p.add_argument("--keep", type=Path, help="keep the syncers' tapes and logs in this directory")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

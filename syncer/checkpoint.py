@@ -1,4 +1,4 @@
-"""The syncer's checkpoint: one safetensors file, written atomically, read without pickle (SPEC §3.8).
+"""The syncer's checkpoint: one safetensors file, written atomically, read without pickle (DESIGN §6.2).
 
 Tensors are stored per model tensor in its model shape (``param/<name>``, ``momentum/<name>``),
 so the file doubles as an export source; everything else (layout specs, fingerprint, merge
@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from yeto_core.faults import fault_point
+from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout, TensorSpec, build_layout
 
 log = logging.getLogger("yeto.syncer.checkpoint")
@@ -161,11 +161,13 @@ def _metadata(state: SyncerState, checksums: dict[str, str]) -> str:
 
 
 def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
-                    read: Callable[[str, int], contextlib.AbstractContextManager[torch.Tensor]] | None = None) -> int:
+                    read: Callable[[str, int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
+                    faults: FaultInjector = NO_FAULTS) -> int:
     """Write ``state`` to ``path`` atomically; returns the number of bytes written.
 
     ``read(kind, fragment)``, when given, is entered around each piece the writer reads and yields
-    the tensor to read it from ("param", "momentum" or "accum"; see `snapshots.CopyOnWrite`)."""
+    the tensor to read it from ("param", "momentum" or "accum"; see `snapshots.CopyOnWrite`).
+    ``faults`` holds the ``mid-checkpoint`` point, between the synced temporary file and the rename."""
     if sys.byteorder != "little":
         raise RuntimeError("checkpoints are written on little-endian hosts only")
     path = Path(path)
@@ -218,7 +220,7 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
             f.write(final_head)
             f.flush()
             os.fsync(f.fileno())
-        fault_point("mid-checkpoint")
+        faults.point("mid-checkpoint")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # the write's own error is the one to report

@@ -7,10 +7,13 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
+from types import FrameType, UnionType
+from typing import Literal, Union, get_args, get_origin
 
 import torch
+from pydantic.fields import FieldInfo
 
 from syncer.checkpoint import CheckpointError, SyncerState, last_generations, load_checkpoint
 from syncer.commit import payload_screen
@@ -24,62 +27,57 @@ from yeto_core.settings import SettingsError, SyncerSettings, load_settings
 log = logging.getLogger("yeto.syncer")
 
 
+# Settings with no flag: a key on the command line is visible to every user of the machine (`ps`);
+# a fault is a test hook, armed through the environment so that a whole process tree inherits it.
+NOT_FLAGS = frozenset({"key", "fault"})
+# A flag's text as its setting's type; pydantic then checks the value and its bounds.
+FLAG_TYPES: dict[object, Callable[[str], object]] = {int: int, float: float, str: str, Path: Path}
+
+
+def flag_of(setting: str) -> str:
+    return "--" + setting.replace("_", "-")
+
+
+def shown_default(setting: str, value: object) -> str:
+    """A setting's default as `--help` shows it: 120.0 → "120 s" for a duration, None → "none"."""
+    if value is None or value == "":
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g} s" if setting.endswith("_s") else f"{value:g}"
+    return str(value)
+
+
+def add_setting_flag(parser: argparse.ArgumentParser, setting: str, field: FieldInfo) -> None:
+    """The flag of one setting, typed by its annotation and explained by its description and default.
+    It defaults to None, "not given", so that the environment fills what the command line leaves out."""
+    kind = field.annotation
+    if get_origin(kind) in (Union, UnionType):  # `Path | None`: None is "not given" anyway
+        kind = next(arg for arg in get_args(kind) if arg is not type(None))
+    text = f"{field.description} (default {shown_default(setting, field.default)})".replace("%", "%%")
+    if kind is bool and field.default is False:
+        parser.add_argument(flag_of(setting), action="store_true", default=None, help=text)
+    elif get_origin(kind) is Literal:
+        parser.add_argument(flag_of(setting), choices=get_args(kind), help=text)
+    elif kind in FLAG_TYPES:
+        parser.add_argument(flag_of(setting), type=FLAG_TYPES[kind], help=text)
+    else:
+        raise TypeError(f"SyncerSettings.{setting} ({field.annotation}) has no flag form; add it to NOT_FLAGS")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per syncer setting, derived from its field, so the help cannot drift from the defaults."""
     p = argparse.ArgumentParser(prog="python -m syncer", description="yeto syncer: merges the islands' "
                                 "fragment updates with quorum rounds, RDA and a Nesterov outer step.")
-    add = p.add_argument
-    add("--host", help="address to listen on (default 127.0.0.1)")
-    add("--port", type=int, help="port to listen on; 0 picks a free one (default 7070)")
-    add("--learners", type=int, help="M, the expected number of learners (default 2)")
-    add("--quorum", type=int, help="K, answers that close a round (default: all M)")
-    add("--fragments", type=int, help="P, fragments the model is split into (default 4)")
-    add("--pattern", choices=["binpack", "strided"], help="fragment layout (default binpack)")
-    add("--total-rounds", type=int, help="fragment rounds before finalization (default 0: until learners finish)")
-    add("--checkpoint", type=Path, help="checkpoint file (safetensors + JSON metadata)")
-    add("--checkpoint-every", type=int, help="checkpoint after every N committed rounds (default 1)")
-    add("--background-checkpoint", action="store_true", default=None,
-        help="write each checkpoint from a snapshot on its own thread while rounds go on (one writer at a time)")
-    add("--checkpoint-retry-s", type=float, help="retry a failed checkpoint write this long, holding every round, "
-        "then stop with exit code 4 (default 120)")
-    add("--resume", action="store_true", default=None, help="resume from --checkpoint if it exists")
-    add("--tape", type=Path, help="JSONL event tape of every commit")
-    add("--key-file", type=Path, help="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
-    add("--device", help="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
-    add("--outer-lr", type=float, help="Nesterov outer learning rate (default 0.5)")
-    add("--outer-momentum", type=float, help="Nesterov outer momentum (default 0.5)")
-    add("--outer-optimizer", choices=["nesterov", "delayed-nesterov"], help="outer optimizer (default nesterov)")
-    add("--outer-delay", type=int, help="N of delayed Nesterov: the momentum moves every N steps (default 4)")
-    add("--merge", choices=["rda", "average"], help="merge of non-embedding tensors: radial-directional "
-        "averaging (rda, default) or the plain weighted average (the embedding is always averaged)")
-    add("--delta-correction", choices=["heloco", "none"],
-        help="correct deltas that oppose the outer momentum (HeLoCo) or not (default)")
-    add("--decode-threads", type=int, help="threads that decode pushes beside the coordinator (default 2)")
-    add("--merge-threads", type=int, help="CPU merge threads; every count gives the same bits (default 1)")
-    add("--round-timeout-s", type=float, help="a round below quorum is retried after this (default 120)")
-    add("--pipeline", type=int, help="rounds in flight on distinct fragments (default 2; 1 = serial)")
-    add("--grace-ms", type=float, help="cap of the adaptive straggler grace window (default 5000; 0 disables)")
-    add("--grace-gamma", type=float, help="γ of the grace window (default 1.0)")
-    add("--grace-tau", type=float, help="τ of the grace window, in learner steps (default 2)")
-    add("--sync-interval-steps", type=int, help="pace rounds so each fragment syncs every H learner steps "
-        "(default 24; 0 disables)")
-    add("--min-round-interval-ms", type=float, help="floor between round launches (default 0)")
-    add("--max-base-lag", type=int, help="carry a late push to its fragment's next round when its base lags "
-        "by at most this many versions (default 1)")
-    add("--carry-answers-round", action="store_true", default=None,
-        help="count carried pushes toward the quorum of the round they join")
-    add("--init-timeout-s", type=float, help="exit when no INIT arrives by then (default 600)")
-    add("--final-timeout-s", type=float, help="wait this long for learners to take the final cut (default 60)")
-    add("--wan-stall-timeout", type=float, help="seconds without progress on a stream that fail its connection "
-        "group; also TCP_USER_TIMEOUT after the initial cut (default 0: off)")
-    add("--bcast-delta-full-every", type=int, help="for learners taking bf16 delta broadcasts: send the full "
-        "fragment every N versions (default 8)")
-    add("--wan-stream-schedule", choices=["rr", "adaptive"], help="stripe chunks round-robin (default) or to the "
-        "data stream with the earliest estimated finish")
-    add("--handshake-timeout-s", type=float, help="deadline of a whole handshake, from accept until the key is "
-        "proven (default 10)")
-    add("--max-handshakes", type=int, help="unauthenticated connections at once; at the cap the oldest (open over "
-        "2 s) or the newcomer is closed (default 0: 64, or a quarter of the descriptor limit when lower)")
-    add("--log-level", default="INFO", help="logging level (default INFO)")
+    for setting, field in SyncerSettings.model_fields.items():
+        if setting not in NOT_FLAGS:
+            add_setting_flag(p, setting, field)
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    former = p.add_argument_group("deprecated flags (each read as its new setting, with a warning)")
+    for old, renamed in SyncerSettings.renamed.items():
+        unit = ", in milliseconds" if renamed.unit == "ms" else ""
+        former.add_argument(flag_of(old), type=float, help=f"former name of {flag_of(renamed.new)}{unit}")
     return p
 
 
@@ -125,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     tape = EventTape(settings.tape)
-    coordinator = Coordinator(settings, device=device, tape=tape, state=state)
+    faults = settings.fault_injector()  # one for the process: occurrences count across all its points
+    coordinator = Coordinator(settings, device=device, tape=tape, state=state, faults=faults)
     try:
         server = SyncerServer(
             host=settings.host, port=settings.port, key=key, num_fragments=settings.fragments,
@@ -134,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             id_conflict=coordinator.id_conflict,
             handshake_timeout_s=settings.handshake_timeout_s,
             max_handshakes=settings.max_handshakes or default_cap(), heartbeat_s=settings.heartbeat_s,
-            peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout,
+            peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout_s,
             schedule=settings.wan_stream_schedule,
             generations=last_generations(state.ledger) if state is not None else None,
-            screen=payload_screen,
+            screen=payload_screen, faults=faults,
         )
     except OSError as exc:
         print(f"yeto syncer: cannot listen on {settings.host}:{settings.port}: {exc.strerror}", file=sys.stderr)

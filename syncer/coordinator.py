@@ -1,4 +1,4 @@
-"""The single coordinator actor (SPEC §3.1): it alone mutates global state.
+"""The single coordinator actor (DESIGN §4.1): it alone mutates global state.
 
 Reader threads post `Joined`/`Got`/`Left` events; this thread handles them one at a time, asks
 the pure functions in `rounds.py` what to do, runs the pure merge math in `merge.py`, and then,
@@ -47,7 +47,7 @@ from syncer.snapshots import CheckpointWriter
 from syncer.tape import EventTape
 from yeto_core.codecs import F32, codec_by_id
 from yeto_core.downlink import DownlinkEncoder
-from yeto_core.faults import fault_point
+from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout, build_layout
 from yeto_core.quant import DEFAULT_BLOCK
 from yeto_core.settings import SyncerSettings
@@ -91,8 +91,10 @@ class Coordinator(PushIntake, Outbox, Finale):
         tape: EventTape,
         state: SyncerState | None = None,
         clock: Callable[[], float] = time.monotonic,
+        faults: FaultInjector = NO_FAULTS,
     ) -> None:
         self.settings = settings
+        self.faults = faults  # built once from the settings by the caller (`cli.main`)
         self.device = device
         self.tape = tape
         self.clock = clock
@@ -106,10 +108,11 @@ class Coordinator(PushIntake, Outbox, Finale):
         self.state = state
         self.layout: Layout | None = None
         self.segments: list[list[Segment]] = []
-        self.consensus: ConsensusBoard | None = None  # the learners' probe summaries (SPEC §2.7)
+        self.consensus: ConsensusBoard | None = None  # the learners' probe summaries (DESIGN §8)
         self.sched = scheduler_config(settings)
         self.writer = (CheckpointWriter(settings.checkpoint, background=settings.background_checkpoint,
-                                        progress=self._show_progress) if settings.checkpoint else None)
+                                        progress=self._show_progress, faults=faults)
+                       if settings.checkpoint else None)
         self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
         self.outer = make_outer_optimizer(settings.outer_optimizer, lr=settings.outer_lr,
                                           momentum=settings.outer_momentum, delay=settings.outer_delay)
@@ -257,7 +260,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(self.links))
         self.tape.append({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
         if self.phase is Phase.RUNNING:
-            link.group.set_user_timeout(self.settings.wan_stall_timeout)
+            link.group.set_user_timeout(self.settings.wan_stall_timeout_s)
             self._send_full_state(link)
             if link.consensus and self.consensus is not None and self.state is not None:
                 link.group.send(self.consensus.message(self.state.next_round))  # it may report probes now
@@ -342,7 +345,7 @@ class Coordinator(PushIntake, Outbox, Finale):
             self._refuse(link, ErrorCode.PROTOCOL, f"unexpected {msg.TYPE.name} from a learner")
 
     def _on_probe_report(self, link: Link, msg: ProbeReport) -> None:
-        """A learner's probe summary (SPEC §2.7); a bad one is refused and the link stays open."""
+        """A learner's probe summary (DESIGN §8.1); a bad one is refused and the link stays open."""
         if self.consensus is None:
             return  # no model pinned yet: nothing to compare it with
         problem = self.consensus.observe(link.learner_id, msg)
@@ -375,7 +378,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         if len(self._init.received) == self.layout.num_fragments:
             self._initial_cut()
         else:
-            fault_point("mid-init")
+            self.faults.point("mid-init")
 
     def _initial_cut(self) -> None:
         assert self.state is not None
@@ -386,7 +389,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         log.info("initial cut ready: broadcasting %d fragments to %d learners", self.state.num_fragments,
                  len(self.links))
         for link in list(self.links.values()):
-            link.group.set_user_timeout(self.settings.wan_stall_timeout)
+            link.group.set_user_timeout(self.settings.wan_stall_timeout_s)
             self._send_full_state(link)
 
     # -- advancing -----------------------------------------------------------------------------
@@ -511,7 +514,7 @@ class Coordinator(PushIntake, Outbox, Finale):
                               "reason": reason, "answered": sorted(attempt.answers)})
             self.parked.add(attempt.round)
             return
-        fault_point("mid-merge")
+        self.faults.point("mid-merge")
         if self.state.outer_accum is not None:
             self.state.outer_accum[f] = self.outer_state[f].get(ACCUM_KEY, self.state.outer_accum[f])
             self.state.outer_count[f] = int(self.outer_state[f].get(COUNT_KEY, 0))
@@ -540,7 +543,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         }
         if out.overflowed:
             record["overflowed"] = sorted(out.overflowed)
-        if self.consensus is not None:  # SPEC §2.7: the learners' JS distance, each fragment's L2 drift
+        if self.consensus is not None:  # DESIGN §8: the learners' JS distance, each fragment's L2 drift
             record.update(self.consensus.on_commit(f, out.delta_norms))
         total = self.settings.total_rounds
         last = bool(total) and self.state.next_round >= total  # finalization writes that cut, once

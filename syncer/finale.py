@@ -1,4 +1,4 @@
-"""The end of a run (SPEC §3.7): abandon the open rounds, make the final state durable, send the
+"""The end of a run (DESIGN §4.7): abandon the open rounds, make the final state durable, send the
 final cut to every learner, and wait, until `--final-timeout-s`, for the learners that should get
 it: those connected, and those that trained and lost their link without saying goodbye. Also the
 checkpoint writes the coordinator asks for. This mixin holds only those steps; the state it
@@ -18,7 +18,7 @@ from syncer.links import Link, Phase
 from syncer.rounds import Attempt
 from syncer.snapshots import CheckpointWriter
 from syncer.tape import EventTape
-from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
+from yeto_core.faults import FAULT_SEND_WAIT_S, FaultInjector
 from yeto_core.settings import SyncerSettings
 
 log = logging.getLogger("yeto.syncer")
@@ -44,6 +44,7 @@ class Finale:
     writer: CheckpointWriter | None
     phase: Phase
     clock: Callable[[], float]
+    faults: FaultInjector
     _final_deadline: float
     _final_expected: set[int]
     _final_acked: set[int]
@@ -86,12 +87,12 @@ class Finale:
         self._final_deadline = self.clock() + self.settings.final_timeout_s
         links = list(self.links.values())
         if len(links) < 2:
-            fault_point("mid-final")
+            self.faults.point("mid-final")
         for n, link in enumerate(links):
             some = n == 0 and len(links) > 1
-            self._send_final(link, wait_s=FAULT_SEND_WAIT_S if some and armed("mid-final") else 0.0)
+            self._send_final(link, wait_s=FAULT_SEND_WAIT_S if some and self.faults.armed("mid-final") else 0.0)
             if some:
-                fault_point("mid-final")
+                self.faults.point("mid-final")
 
     def _show_progress(self) -> bool:
         # A bar only where someone watches, or where the write takes long enough to wonder about.

@@ -1,4 +1,4 @@
-"""Push intake (SPEC §3.2, §3.5): what the coordinator does with each PUSH it receives.
+"""Push intake (DESIGN §4.3, §4.6): what the coordinator does with each PUSH it receives.
 
 A push is checked (size, codec, steps), judged by `rounds.judge_push` (answer, carry or refuse,
 with a reason), and then either decoded on the decode pool and stored as an answer of its open
@@ -20,7 +20,7 @@ from syncer.links import Carried, Decoded, Link
 from syncer.rounds import Answer, Attempt, PushFate, RoundState, SchedulerConfig, fragment_of_round, judge_push
 from syncer.tape import EventTape
 from yeto_core.codecs import F32
-from yeto_core.faults import fault_point
+from yeto_core.faults import FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import Error, Push
@@ -45,10 +45,11 @@ class PushIntake:
     _decoders: ThreadPoolExecutor
     clock: Callable[[], float]
     post: Callable[[Any], None]
+    faults: FaultInjector
 
     def _on_push(self, link: Link, msg: Push, payload: memoryview | None, screened: bool | None = None) -> None:
         assert self.state is not None and self.layout is not None
-        fault_point("before-push")
+        self.faults.point("before-push")
         lid = link.learner_id
         if msg.step_us:  # ξ_step: EMA of each learner's reported time per inner step
             step_s = msg.step_us / 1e6

@@ -43,7 +43,7 @@ class Link:
     finished: bool = False
     final_sent: bool = False
     acked: bool = False
-    overlap: bool = False  # rebases on its merged pushes (SPEC §2.5): its late pushes are refused, not carried
+    overlap: bool = False  # rebases on its merged pushes (DESIGN §3.3, §4.6): its late pushes are refused, not carried
     said_bye: bool = False  # left on purpose: a finalizing syncer does not wait for it to return
     instance: bytes = b""  # the learner process's HELLO.instance (all zeros: it named none)
     peer: str = ""  # where its control stream connects from
@@ -74,8 +74,8 @@ class Carried:
 def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
     return SchedulerConfig(
         quorum=s.effective_quorum, learners=s.learners, pipeline=s.pipeline, round_timeout_s=s.round_timeout_s,
-        grace_cap_s=s.grace_ms / 1000, grace_gamma=s.grace_gamma, grace_tau=s.grace_tau,
-        sync_interval_steps=s.sync_interval_steps, min_round_interval_s=s.min_round_interval_ms / 1000,
+        grace_cap_s=s.grace_s, grace_gamma=s.grace_gamma, grace_tau=s.grace_tau,
+        sync_interval_steps=s.sync_interval_steps, min_round_interval_s=s.min_round_interval_s,
         max_base_lag=s.max_base_lag, carry_counts=s.carry_answers_round, total_rounds=s.total_rounds,
     )
 

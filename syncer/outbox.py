@@ -1,4 +1,4 @@
-"""What the syncer sends its learners (SPEC §3.6, §4.5): each committed fragment's new version
+"""What the syncer sends its learners (DESIGN §6.1, §7.4): each committed fragment's new version
 (exact f32, or a bf16 downlink delta), the full state on join and reconnect, the consensus
 figures, and the final cut. This mixin holds only those sends; the state it reads belongs to
 the `Coordinator` that inherits it.
@@ -15,7 +15,7 @@ from syncer.consensus import ConsensusBoard
 from syncer.links import Link
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.downlink import DownlinkEncoder
-from yeto_core.faults import FAULT_SEND_WAIT_S, armed, fault_point
+from yeto_core.faults import FAULT_SEND_WAIT_S, FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.buffers import BufferPool
@@ -33,6 +33,7 @@ class Outbox:
     links: dict[int, Link]
     downlink: DownlinkEncoder
     consensus: ConsensusBoard | None
+    faults: FaultInjector
     _in_flight: dict[int, list[SendTicket]]  # per fragment: sends that may still read its parameters
 
     def _fragment_bytes(self, index: int) -> memoryview:
@@ -73,7 +74,7 @@ class Outbox:
 
     def _broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
         """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
-        flagged MERGED for the learners whose push it merged (they rebase on it, SPEC §2.5)."""
+        flagged MERGED for the learners whose push it merged (they rebase on it, DESIGN §3.3)."""
         assert self.state is not None and self.layout is not None
         version = self.state.versions[f]
         links = list(self.links.values())
@@ -86,7 +87,7 @@ class Outbox:
             self.downlink.anchors[f] = None  # nobody follows the chain: restart it with a FULL later
         exact: memoryview | None = None
         if len(links) < 2:
-            fault_point("mid-bcast")
+            self.faults.point("mid-bcast")
         for n, link in enumerate(links):
             mine = BCAST_MERGED if link.learner_id in merged else 0
             if link.bcast_delta:
@@ -95,9 +96,9 @@ class Outbox:
                 exact = self._fragment_bytes(f) if exact is None else exact
                 ticket = self._sending(f, link.group.send(
                     Bcast(f, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id), exact))
-            if n == 0 and len(links) > 1 and armed("mid-bcast"):
+            if n == 0 and len(links) > 1 and self.faults.armed("mid-bcast"):
                 ticket.wait(FAULT_SEND_WAIT_S)  # so that "sent to some learners" holds when the point fires
-                fault_point("mid-bcast")
+                self.faults.point("mid-bcast")
 
     def _send_consensus(self, round_id: int) -> None:
         """The consensus figures after a commit, to every learner that takes them."""

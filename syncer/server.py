@@ -23,6 +23,7 @@ from typing import Any
 
 from syncer.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, BurstLog, HandshakeGate, Unauthenticated
 from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
+from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
 from yeto_core.probe import probe_authentic, serve_probe
 from yeto_core.wire import auth
@@ -120,8 +121,10 @@ class SyncerServer:
         schedule: str = "rr",
         generations: dict[int, int] | None = None,
         screen: Screen | None = None,
+        faults: FaultInjector = NO_FAULTS,
     ) -> None:
         self._key = key
+        self._faults = faults  # passed to every connection group (the mid-stripe point)
         self._screen = screen  # checks bulk payloads chunk by chunk as they land (`commit.payload_screen`)
         self._schedule = schedule
         self._stall_timeout_s = stall_timeout_s
@@ -373,7 +376,7 @@ class SyncerServer:
             on_close=lambda reason: self._post(Left(lid, gen, reason)),
             max_payload=(lambda: bound) if bound else self._max_payload,
             heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,
-            schedule=self._schedule,
+            schedule=self._schedule, faults=self._faults,
         )
         self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags,
                           p.hello.push_block, p.hello.instance, p.control.name))

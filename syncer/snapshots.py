@@ -1,4 +1,4 @@
-"""Background checkpoints (SPEC §3.8): write a copy-on-write snapshot on its own thread while
+"""Background checkpoints (DESIGN §6.2): write a copy-on-write snapshot on its own thread while
 rounds go on.
 
 `CheckpointWriter.save(state)` snapshots the committed state at a commit boundary (so it is a
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, save_checkpoint
+from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
 
 
@@ -72,8 +73,10 @@ class CopyOnWrite:
 
 
 class CheckpointWriter:
-    def __init__(self, path: Path, *, background: bool, progress: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, path: Path, *, background: bool, progress: Callable[[], bool] = lambda: False,
+                 faults: FaultInjector = NO_FAULTS) -> None:
         self.path = path
+        self.faults = faults
         self.background = background
         self._progress = progress
         self._thread: threading.Thread | None = None
@@ -127,7 +130,8 @@ class CheckpointWriter:
     def _write(self, state: SyncerState, cow: CopyOnWrite | None) -> None:
         t0 = time.perf_counter()
         try:
-            save_checkpoint(self.path, state, progress=self._progress(), read=cow.read if cow else None)
+            save_checkpoint(self.path, state, progress=self._progress(), read=cow.read if cow else None,
+                            faults=self.faults)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
             return

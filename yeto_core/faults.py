@@ -1,16 +1,17 @@
 """Named fault points: places in the syncer and the client where a test can make the process
 die, freeze or exit, to prove that nothing committed is lost whatever the moment of a crash.
 
-A point is armed through the environment of the process that should fail:
+A point is armed by the `YETO_FAULT` setting of the process that should fail (read with the
+other settings, `yeto_core.settings`), which builds one `FaultInjector` at start-up and passes it
+to the objects that hold the points:
 
     YETO_FAULT=mid-merge            SIGKILL this process the first time it reaches mid-merge
     YETO_FAULT=mid-bcast@3          ... the third time
     YETO_FAULT=mid-stripe@2:stop    SIGSTOP itself instead (a frozen process, sockets open)
     YETO_FAULT=before-push:exit     os._exit(FAULT_EXIT_CODE) instead
 
-An unset variable costs one dictionary lookup per point reached. A malformed value or an
-unknown point name is reported once on stderr and arms nothing: fault injection must never be
-the reason a real run stops.
+Without the setting the injector is `NO_FAULTS`: a point reached costs one attribute check. A
+malformed value fails at start-up, like any bad setting, naming YETO_FAULT and what is wrong.
 
 The points (each says what has and has not happened when it fires):
 
@@ -42,10 +43,13 @@ ENV = "YETO_FAULT"
 FAULT_EXIT_CODE = 86
 FAULT_SEND_WAIT_S = 5.0  # how long a point that fires "after sending to some" waits for those bytes to leave
 
-_lock = threading.Lock()
-_parsed_from: str | None = None
-_armed: tuple[str, int, str] | None = None  # (point, occurrence, action)
-_seen: dict[str, int] = {}
+
+class FaultSpecError(ValueError):
+    """A malformed arming value; `reason` is what is wrong, without the setting's name."""
+
+    def __init__(self, value: str, reason: str) -> None:
+        super().__init__(f"{ENV}={value!r}: {reason}")
+        self.reason = reason
 
 
 def parse(value: str) -> tuple[str, int, str]:
@@ -53,58 +57,56 @@ def parse(value: str) -> tuple[str, int, str]:
     spec, _, action = value.strip().partition(":")
     point, _, nth = spec.partition("@")
     if point not in POINTS:
-        raise ValueError(f"{ENV}={value!r}: unknown fault point {point!r} (known: {', '.join(POINTS)})")
+        raise FaultSpecError(value, f"unknown fault point {point!r} (known: {', '.join(POINTS)})")
     action = action or "kill"
     if action not in ACTIONS:
-        raise ValueError(f"{ENV}={value!r}: unknown action {action!r} (known: {', '.join(ACTIONS)})")
+        raise FaultSpecError(value, f"unknown action {action!r} (known: {', '.join(ACTIONS)})")
     try:
         n = int(nth) if nth else 1
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{ENV}={value!r}: the occurrence after '@' must be a whole number >= 1")
+        raise FaultSpecError(value, "the occurrence after '@' must be a whole number >= 1")
     return point, n, action
 
 
-def _current() -> tuple[str, int, str] | None:
-    global _parsed_from, _armed
-    value = os.environ.get(ENV, "")
-    if value != _parsed_from:  # (re)armed: start counting afresh
-        _parsed_from, _armed = value, None
-        _seen.clear()
-        if value:
-            try:
-                _armed = parse(value)
-            except ValueError as exc:
-                print(f"yeto: {exc}; no fault armed", file=sys.stderr, flush=True)
-    return _armed
+class FaultInjector:
+    """One process's armed fault, if any, and how often its point was reached so far.
 
+    Built once from the `YETO_FAULT` setting and handed to whoever holds a point; an empty spec
+    arms nothing. Safe to share between threads: the occurrences are counted under a lock."""
 
-def armed(name: str) -> bool:
-    """Whether `name` is the armed point (its occurrence may still be ahead)."""
-    if not os.environ.get(ENV):
-        return False
-    with _lock:
-        current = _current()
-    return current is not None and current[0] == name
+    def __init__(self, spec: str = "") -> None:
+        self.spec = spec
+        self._armed: tuple[str, int, str] | None = parse(spec) if spec.strip() else None
+        self._lock = threading.Lock()
+        self._seen = 0  # times the armed point was reached
 
+    def __repr__(self) -> str:
+        return f"FaultInjector({self.spec!r})"
 
-def fault_point(name: str) -> None:
-    """Reached `name`: fail here if the environment armed this point for this occurrence."""
-    if not os.environ.get(ENV):
-        return
-    with _lock:
-        armed = _current()
+    def armed(self, name: str) -> bool:
+        """Whether `name` is the armed point (its occurrence may still be ahead)."""
+        return self._armed is not None and self._armed[0] == name
+
+    def point(self, name: str) -> None:
+        """Reached `name`: fail here if this injector is armed for this occurrence of it."""
+        armed = self._armed
         if armed is None or armed[0] != name:
             return
-        _seen[name] = _seen.get(name, 0) + 1
-        if _seen[name] != armed[1]:
-            return
-    action = armed[2]
-    print(f"yeto: fault point {name} reached (occurrence {armed[1]}): {action}", file=sys.stderr, flush=True)
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    else:
-        os._exit(FAULT_EXIT_CODE)
+        with self._lock:
+            self._seen += 1
+            if self._seen != armed[1]:
+                return
+        action = armed[2]
+        print(f"yeto: fault point {name} reached (occurrence {armed[1]}): {action}", file=sys.stderr, flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os._exit(FAULT_EXIT_CODE)
+
+
+NO_FAULTS = FaultInjector()  # never fires: the default of every object that holds a point
+

@@ -11,10 +11,12 @@ import difflib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from yeto_core import faults
 
 log = logging.getLogger("yeto.settings")
 
@@ -23,6 +25,23 @@ MIN_KEY_BYTES = 16
 
 class SettingsError(ValueError):
     """A setting has a value yeto cannot use; the message names the setting."""
+
+
+class Renamed(NamedTuple):
+    """A setting's former name (a settings class's `renamed` maps it to this): its value, in
+    `unit`, goes to the setting `new`, which is in seconds."""
+
+    new: str
+    unit: Literal["s", "ms"]
+
+    @property
+    def to_seconds(self) -> float:
+        return 0.001 if self.unit == "ms" else 1.0
+
+
+def renamed_settings(cls: type[BaseSettings]) -> dict[str, Renamed]:
+    """Former name → its replacement, for the settings classes that renamed any."""
+    return dict(getattr(cls, "renamed", {}))
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -57,11 +76,26 @@ def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str, key_f
     return raw
 
 
+def fault_field(prefix: str) -> Any:
+    """The fault-injection setting: `YETO_FAULT`, as the tests arm a process, or the prefixed name."""
+    return Field(default="", validation_alias=AliasChoices(faults.ENV, f"{prefix}FAULT"),
+                 description="arm a fault point for tests: POINT[@N][:kill|stop|exit] (see yeto_core.faults)")
+
+
+def check_fault(value: str) -> str:
+    try:
+        faults.FaultInjector(value)
+    except faults.FaultSpecError as exc:
+        raise ValueError(exc.reason) from None  # load_settings names the variable and the value
+    return value
+
+
 class LearnerSettings(BaseSettings):
     """One island's DiLoCo learner (`YETO_DILOCO_*`)."""
 
     # allow_inf_nan: "inf" parses as a float, and an infinite timeout overflows the socket layer.
-    model_config = SettingsConfigDict(env_prefix="YETO_DILOCO_", extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = SettingsConfigDict(env_prefix="YETO_DILOCO_", extra="forbid", frozen=True, allow_inf_nan=False,
+                                      validate_by_name=True)  # `fault=` beside its variables' names
 
     syncer: str = Field(description="syncer address, HOST:PORT")
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
@@ -114,6 +148,9 @@ class LearnerSettings(BaseSettings):
     consensus_top_k: int = Field(default=64, ge=1, le=1024,
                                  description="probabilities per probe token reported: the top k (the rest as one tail)")
     consensus_tokens: int = Field(default=64, ge=1, le=512, description="tokens in the fixed probe batch")
+    fault: str = fault_field("YETO_DILOCO_")
+
+    _fault = field_validator("fault")(check_fault)
 
     @field_validator("blocking")
     @classmethod
@@ -139,61 +176,92 @@ class LearnerSettings(BaseSettings):
     def read_key(self) -> bytes:
         return read_key(self.key, self.key_file, prefix="YETO_DILOCO_")
 
+    def fault_injector(self) -> faults.FaultInjector:
+        """This process's fault injector, to build once and pass to whatever holds a point."""
+        return faults.FaultInjector(self.fault) if self.fault else faults.NO_FAULTS
+
 
 class SyncerSettings(BaseSettings):
     """The syncer service (`YETO_SYNCER_*`; command-line flags win)."""
 
-    model_config = SettingsConfigDict(env_prefix="YETO_SYNCER_", extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = SettingsConfigDict(env_prefix="YETO_SYNCER_", extra="forbid", frozen=True, allow_inf_nan=False,
+                                      validate_by_name=True)  # `fault=` beside its variables' names
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=7070, ge=0, lt=65536)
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=7070, ge=0, lt=65536, description="port to listen on (0 picks a free one)")
     learners: int = Field(default=2, ge=1, description="M: expected number of learners")
     quorum: int = Field(default=0, ge=0, description="K: answers that close a round (0 = all M)")
     fragments: int = Field(default=4, ge=1, description="P: fragments the model is split into")
-    pattern: Literal["binpack", "strided"] = "binpack"
-    total_rounds: int = Field(default=0, ge=0, description="fragment rounds before finalization (0 = none)")
-    checkpoint: Path | None = None
+    pattern: Literal["binpack", "strided"] = Field(default="binpack", description="fragment layout")
+    total_rounds: int = Field(default=0, ge=0, description="fragment rounds before finalization "
+                              "(0: until the learners finish)")
+    checkpoint: Path | None = Field(default=None, description="checkpoint file, safetensors + JSON metadata "
+                                    "(none: no checkpoints)")
     checkpoint_every: int = Field(default=1, ge=1, description="checkpoint after every N committed rounds")
-    background_checkpoint: bool = Field(default=False, description="write checkpoints on a thread, rounds go on")
+    background_checkpoint: bool = Field(default=False, description="write each checkpoint from a snapshot on its "
+                                        "own thread while rounds go on (one writer at a time)")
     checkpoint_retry_s: float = Field(default=120.0, gt=0, le=86400, description="retry a failed checkpoint write "
-                                      "this long, holding rounds, then stop (exit 4)")
-    resume: bool = False
-    tape: Path | None = None
-    key: SecretStr | None = None
-    key_file: Path | None = None
-    device: str = Field(default="auto", description="merge device: auto | cpu | cuda | cuda:N")
+                                      "this long, holding every round, then stop with exit code 4")
+    resume: bool = Field(default=False, description="resume from the checkpoint file when it exists")
+    tape: Path | None = Field(default=None, description="JSONL event tape of every commit (none: no tape)")
+    key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
+    key_file: Path | None = Field(default=None, description="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
+    device: str = Field(default="auto", description="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
     # Measured by benchmarks/compare_diloco.py (README "Does it learn?"): DiLoCo's stock 0.7/0.9
     # over-drives the strongly correlated deltas of a few dozen inner steps.
-    outer_lr: float = Field(default=0.5, gt=0)
-    outer_momentum: float = Field(default=0.5, ge=0, lt=1)
-    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = "nesterov"
+    outer_lr: float = Field(default=0.5, gt=0, description="Nesterov outer learning rate")
+    outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
+    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
     outer_delay: int = Field(default=4, ge=1, description="N of delayed Nesterov: momentum moves every N steps")
-    merge: Literal["rda", "average"] = Field(default="rda", description="non-embedding tensors: radial-directional "
-                                             "averaging (rda) or the plain weighted average")
-    delta_correction: Literal["heloco", "none"] = Field(default="none", description="stale-delta correction "
-                                                        "(HeLoCo measured no better in compare_diloco)")
+    merge: Literal["rda", "average"] = Field(default="rda", description="merge of non-embedding tensors: "
+                                             "radial-directional averaging (rda) or the plain weighted average "
+                                             "(the embedding is always averaged)")
+    delta_correction: Literal["heloco", "none"] = Field(default="none", description="correct stale deltas that "
+                                                        "oppose the outer momentum (HeLoCo) or not; HeLoCo "
+                                                        "measured no better in compare_diloco")
     merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
     decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")
     round_timeout_s: float = Field(default=120.0, gt=0, description="a round below quorum retries after this")
     pipeline: int = Field(default=2, ge=1, description="rounds in flight, on distinct fragments (1 = serial)")
-    grace_ms: float = Field(default=5000.0, ge=0, description="cap of the adaptive grace window (0 disables)")
-    grace_gamma: float = Field(default=1.0, ge=0, description="γ: share of the compute slack spent waiting")
-    grace_tau: float = Field(default=2.0, ge=0, description="τ: learner steps a round may take")
-    sync_interval_steps: int = Field(default=24, ge=0, description="pace rounds to H learner steps (0: off)")
-    min_round_interval_ms: float = Field(default=0.0, ge=0, description="floor between round launches")
-    max_base_lag: int = Field(default=1, ge=0, description="late pushes within this lag are carried")
-    carry_answers_round: bool = Field(default=False, description="carried pushes count toward quorum")
-    init_timeout_s: float = Field(default=600.0, gt=0, description="give up when no INIT arrives by then")
+    grace_s: float = Field(default=5.0, ge=0, description="cap of the adaptive straggler grace window (0 disables)")
+    grace_gamma: float = Field(default=1.0, ge=0, description="γ of the grace window: share of the compute slack "
+                               "spent waiting")
+    grace_tau: float = Field(default=2.0, ge=0, description="τ of the grace window: learner steps a round may take")
+    sync_interval_steps: int = Field(default=24, ge=0, description="pace rounds so each fragment syncs every H "
+                                     "learner steps (0: off)")
+    min_round_interval_s: float = Field(default=0.0, ge=0, description="floor between round launches (0: none)")
+    max_base_lag: int = Field(default=1, ge=0, description="carry a late push to its fragment's next round when its "
+                              "base lags by at most this many versions")
+    carry_answers_round: bool = Field(default=False, description="count carried pushes toward the quorum of the "
+                                      "round they join")
+    init_timeout_s: float = Field(default=600.0, gt=0, description="exit when no INIT arrives by then")
     final_timeout_s: float = Field(default=60.0, gt=0, description="wait for learners to take the final cut")
-    heartbeat_s: float = Field(default=2.0, gt=0)
-    peer_timeout_s: float = Field(default=30.0, gt=0)
+    heartbeat_s: float = Field(default=2.0, gt=0, description="heartbeat period on the control streams")
+    peer_timeout_s: float = Field(default=30.0, gt=0, description="silence after which a link is dead")
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="deadline of a whole handshake, "
                                        "from accept until the key is proven")
-    max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once "
-                                "(0: 64, or a quarter of the descriptor limit when lower)")
-    wan_stall_timeout: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
-    bcast_delta_full_every: int = Field(default=8, ge=1, description="delta broadcasts: a FULL every N versions")
-    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
+    max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once; at the "
+                                "cap the oldest (open over 2 s) or the newcomer is closed (0: 64, or a quarter of "
+                                "the descriptor limit when lower)")
+    wan_stall_timeout_s: float = Field(default=0.0, ge=0, description="seconds without progress on a stream that "
+                                       "fail its connection group; also TCP_USER_TIMEOUT after the initial cut "
+                                       "(0: off)")
+    bcast_delta_full_every: int = Field(default=8, ge=1, description="for learners taking bf16 delta broadcasts: "
+                                        "send the full fragment every N versions")
+    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="stripe chunks round-robin "
+                                                           "(rr) or to the data stream with the earliest estimated "
+                                                           "finish (adaptive)")
+    fault: str = fault_field("YETO_SYNCER_")
+
+    # Former names, still read from the environment and from keyword arguments (flags), with
+    # a warning: settings once in other units are now in seconds like every other duration.
+    renamed: ClassVar[dict[str, Renamed]] = {
+        "grace_ms": Renamed("grace_s", unit="ms"),
+        "min_round_interval_ms": Renamed("min_round_interval_s", unit="ms"),
+        "wan_stall_timeout": Renamed("wan_stall_timeout_s", unit="s"),
+    }
+
+    _fault = field_validator("fault")(check_fault)
 
     @field_validator("quorum")
     @classmethod
@@ -212,6 +280,10 @@ class SyncerSettings(BaseSettings):
         return read_key(self.key, self.key_file, prefix="YETO_SYNCER_",
                         key_file_name="--key-file" if key_file_flag else None)
 
+    def fault_injector(self) -> faults.FaultInjector:
+        """This process's fault injector, to build once and pass to whatever holds a point."""
+        return faults.FaultInjector(self.fault) if self.fault else faults.NO_FAULTS
+
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -223,13 +295,50 @@ def unknown_variables(cls: type[BaseSettings]) -> list[str]:
     if not prefix:
         return []
     known = [f"{prefix}{name.upper()}" for name in cls.model_fields]
+    former = [f"{prefix}{name.upper()}" for name in renamed_settings(cls)]  # read, with a warning
     lines = []
     for var in sorted(os.environ):
-        if var.upper().startswith(prefix) and var.upper() not in known:
+        if var.upper().startswith(prefix) and var.upper() not in known + former:
             close = difflib.get_close_matches(var.upper(), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(known)}"
             lines.append(f"{var} is not a yeto setting{hint}")
     return lines
+
+
+def setting_name(field: str, *, flags: bool) -> str:
+    """How errors call a value given explicitly: its command-line flag or keyword argument."""
+    return f"--{field.replace('_', '-')}" if flags else f"argument {field}"
+
+
+def take_renamed(cls: type[BaseSettings], given: dict[str, Any], *, flags: bool) -> dict[str, tuple[str, Any]]:
+    """Move a value set under a former name (explicitly, or in the environment) into `given` under
+    the current name, converted to seconds, with one warning each; explicit values still win over
+    the environment. Returns, for each setting filled so, the name and value its errors quote:
+    the ones the user wrote."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    environ = {var.upper(): value for var, value in os.environ.items()}
+    quoted: dict[str, tuple[str, Any]] = {}
+    for old, renamed in renamed_settings(cls).items():
+        new = renamed.new
+        if old in given:
+            raw, name, new_name = given.pop(old), setting_name(old, flags=flags), setting_name(new, flags=flags)
+            if new in given:
+                raise SettingsError(f"{name} and {new_name} are both given; drop the deprecated {name}")
+        elif f"{prefix}{old.upper()}" in environ and new not in given:
+            name, new_name = f"{prefix}{old.upper()}", f"{prefix}{new.upper()}"
+            raw = environ[name]
+            if new_name in environ:
+                raise SettingsError(f"{name} and {new_name} are both set; drop the deprecated {name}")
+        else:
+            continue
+        try:
+            seconds = float(raw) * renamed.to_seconds
+        except (TypeError, ValueError):
+            raise SettingsError(f"{name}={raw!r}: expected a number ({renamed.unit})") from None
+        log.warning("%s is deprecated; use %s (in seconds): read as %s=%g", name, new_name, new_name, seconds)
+        given[new] = seconds
+        quoted[new] = (name, raw)
+    return quoted
 
 
 def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:
@@ -243,17 +352,22 @@ def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:
     unknown = unknown_variables(cls)
     if unknown:
         raise SettingsError("; ".join(unknown))
+    quoted = take_renamed(cls, given, flags=flags)
     try:
         return cls(**given)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
-            if field in given:
-                name = f"--{field.replace('_', '-')}" if flags else f"argument {field}"
+            value = err.get("input")
+            if field in quoted:
+                name, value = quoted[field]
+            elif field in given:
+                name = setting_name(field, flags=flags)
+            elif field not in cls.model_fields:  # an alias: already the variable's whole name
+                name = field
             else:
                 name = f"{prefix}{field.upper()}"
-            value = err.get("input")
             shown = "" if isinstance(value, dict) or value is None else f"={value!r}"
             message = str(err["msg"]).removeprefix("Value error, ")
             if err["type"] == "missing":

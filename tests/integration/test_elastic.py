@@ -1,4 +1,4 @@
-"""Elastic membership (SPEC §3.7): a learner that joins a running job receives the current global
+"""Elastic membership (DESIGN §4.2): a learner that joins a running job receives the current global
 state, contributes from the next round on, and ends with the same final model as the others."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def run(island: Island, deadline: float, errors: list[BaseException]) -> None:
 @pytest.mark.timeout(150)
 def test_a_learner_joining_mid_run_ends_with_the_same_model(procs: Procs, key_file: Path) -> None:
     syncer = start_syncer(procs, key_file=key_file, learners=3, quorum=2, fragments=4, total_rounds=ROUNDS,
-                          extra=["--grace-ms", "100"])
+                          extra=["--grace-s", "0.1"])
     assert syncer.checkpoint is not None and syncer.tape is not None
     islands = [Island(syncer, key_file, i) for i in range(4)]
     errors: list[BaseException] = []

@@ -66,7 +66,7 @@ FRAGMENTS = 4
 VICTIM = 2  # not learner 0, which sends INIT
 STEP_S = 0.025  # each learner step takes this long: rounds are paced to H/P = 2 steps
 PIPELINE = 2
-SYNCER_FLAGS = ["--grace-ms", "200", "--final-timeout-s", "30", "--pipeline", str(PIPELINE)]
+SYNCER_FLAGS = ["--grace-s", "0.2", "--final-timeout-s", "30", "--pipeline", str(PIPELINE)]
 
 
 def start_learner(procs: Procs, syncer: Syncer, key_file: Path, learner_id: int, *extra: str) -> Proc:

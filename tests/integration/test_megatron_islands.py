@@ -179,7 +179,7 @@ def test_a_dropped_connection_and_a_stalled_island_are_survived(procs: Procs, ke
     # Quorum 1: rounds go on with whichever island is there. Paced, so that the run outlasts the
     # freeze below by several seconds whichever way the scheduling goes.
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=1, fragments=3, total_rounds=40,
-                          extra=["--sync-interval-steps", "4", "--min-round-interval-ms", "300"],
+                          extra=["--sync-interval-steps", "4", "--min-round-interval-s", "0.3"],
                           env={"YETO_SYNCER_PEER_TIMEOUT_S": "4", "YETO_SYNCER_HEARTBEAT_S": "1"})
     relay = CuttingRelay((syncer.host, syncer.port))
     try:

@@ -1,4 +1,4 @@
-"""Stragglers, dead learners and deterministic schedules against the real syncer (SPEC §3.2–3.5).
+"""Stragglers, dead learners and deterministic schedules against the real syncer (DESIGN §4.3–4.6).
 
 Learners here are in-process `Island`s (a small MLP with real SGD steps). A slow island is made
 slow by the test's own training loop, which paces each of its steps to a wall-clock period;
@@ -128,7 +128,7 @@ def assert_matches_checkpoint(islands: Sequence[Island], checkpoint: Path) -> No
 def test_a_slow_learner_does_not_hold_back_the_fast_ones(procs: Procs, key_file: Path, overlap: bool) -> None:
     total = 24
     syncer = start_syncer(procs, key_file=key_file, learners=3, quorum=2, fragments=4, total_rounds=total,
-                          extra=["--grace-ms", "200", "--final-timeout-s", "30"])
+                          extra=["--grace-s", "0.2", "--final-timeout-s", "30"])
     assert syncer.checkpoint is not None
     # The straggler computes five times slower and its pushes also reach the syncer late, so some
     # of them miss their round (on loopback a push is otherwise never late: the learner drops a
@@ -173,7 +173,7 @@ def test_a_slow_learner_does_not_hold_back_the_fast_ones(procs: Procs, key_file:
 def test_a_learner_killed_mid_run_stalls_nothing(procs: Procs, key_file: Path) -> None:
     total = 24
     syncer = start_syncer(procs, key_file=key_file, learners=3, quorum=2, fragments=4, total_rounds=total,
-                          extra=["--grace-ms", "200", "--final-timeout-s", "30"])
+                          extra=["--grace-s", "0.2", "--final-timeout-s", "30"])
     assert syncer.checkpoint is not None
     islands = [Island(syncer, key_file, lid) for lid in range(3)]
     victim = islands[2]
@@ -203,7 +203,7 @@ def test_a_learner_killed_mid_run_stalls_nothing(procs: Procs, key_file: Path) -
         victim_thread.join(10)
         assert not victim_thread.is_alive() and not victim_errors, victim_errors
         # An abrupt death: the sockets close without a BYE, and the session never reconnects.
-        victim.session.client.close("killed", bye=False)
+        victim.session.link.close("killed", bye=False)
         wait_until(lambda: len(syncer.commits()) >= total, 40, f"{total} committed rounds after the kill",
                    on_timeout=syncer.proc.tail)
         survivors.join(30)

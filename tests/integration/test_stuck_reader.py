@@ -25,7 +25,7 @@ FLOOD = 4000  # pushes the syncer refuses, each with an ERROR the stuck peer nev
 def test_a_learner_that_stops_reading_stalls_no_round(procs: Procs, key_file: Path) -> None:
     env = base_env({"YETO_SYNCER_HEARTBEAT_S": str(HEARTBEAT_S), "YETO_SYNCER_PEER_TIMEOUT_S": "60"})
     syncer = start_syncer(procs, key_file=key_file, learners=3, quorum=2, fragments=2, env=env,
-                          extra=["--grace-ms", "0"])
+                          extra=["--grace-s", "0"])
     key = key_file.read_bytes().strip()
     islands = [Island(syncer, key_file, i) for i in range(2)]
     peer = None

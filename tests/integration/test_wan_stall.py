@@ -1,4 +1,4 @@
-"""WAN robustness (SPEC §4.6): a data stream that stops moving mid-push is detected by the stall
+"""WAN robustness (DESIGN §7.6): a data stream that stops moving mid-push is detected by the stall
 watchdog, the learner redials, and the run still ends with every learner holding the syncer's bits;
 under a deterministic lock-step schedule the stalled run ends with exactly the bits of an
 undisturbed one (the syncer re-pulls the round and both islands replay their pushes)."""
@@ -66,7 +66,7 @@ class StallingProxy(LoopbackRelay):
 @pytest.mark.timeout(120)
 def test_a_stalled_data_stream_is_detected_and_the_learner_redials(procs: Procs, key_file: Path) -> None:
     syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=4, total_rounds=ROUNDS,
-                          extra=["--wan-stall-timeout", str(STALL_S)])
+                          extra=["--wan-stall-timeout-s", str(STALL_S)])
     assert syncer.checkpoint is not None and syncer.tape is not None
     proxy = StallingProxy(("127.0.0.1", syncer.port))
     via_proxy = dataclasses.replace(syncer, port=proxy.port)
@@ -102,7 +102,7 @@ def two_island_run(procs: Procs, key_file: Path, tag: str, *, stall: bool) -> tu
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4,
                           total_rounds=DETERMINISTIC_ROUNDS, tape_name=f"{tag}.jsonl",
                           checkpoint_name=f"{tag}.safetensors",
-                          extra=["--wan-stall-timeout", str(STALL_S), "--pipeline", "1", "--merge-threads", "1",
+                          extra=["--wan-stall-timeout-s", str(STALL_S), "--pipeline", "1", "--merge-threads", "1",
                                  "--device", "cpu", "--final-timeout-s", "20"])
     assert syncer.checkpoint is not None
     proxy = StallingProxy(("127.0.0.1", syncer.port))

@@ -1,4 +1,4 @@
-"""Sockets, and nothing else: framed streams and connection groups (SPEC §4.1).
+"""Sockets, and nothing else: framed streams and connection groups (DESIGN §7.1, PROTOCOL §1).
 
 A *connection group* is one control stream (stream 0) plus N data streams. Control frames are
 small and ordered. A bulk message goes out as one control frame that announces a transfer id
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from yeto_core.faults import fault_point
+from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.wire.buffers import receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
@@ -229,6 +229,7 @@ class ConnectionGroup:
         schedule: str = "rr",
         screen: Screen | None = None,
         on_screened: Callable[[Message, memoryview, bool], None] | None = None,
+        faults: FaultInjector = NO_FAULTS,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"stream schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -242,6 +243,7 @@ class ConnectionGroup:
         self._on_message = on_message
         self._on_close = on_close
         self._on_screened = on_screened
+        self._faults = faults  # the owning process's: holds the mid-stripe point of its data readers
         self._reassembler = Reassembler(max_payload, self._deliver_bulk, name, screen=screen)
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
@@ -565,7 +567,7 @@ class ConnectionGroup:
                 stream.read_into(part)
                 self._last_heard = time.monotonic()
                 if self._reassembler.chunk_done(transfer, offset, part):
-                    fault_point("mid-stripe")  # part of a multi-chunk transfer is in, the rest is not
+                    self._faults.point("mid-stripe")  # part of a multi-chunk transfer is in, the rest is not
         except ProtocolError as exc:
             self._refuse(str(exc))
         except (ConnectionClosed, OSError) as exc:
