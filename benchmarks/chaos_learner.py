@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
 
     marks: list[tuple[int, int]] = []
     if args.trace:  # diagnostics: every push handed to the client, every fragment install seen after a step
-        submit = session.client.submit
+        submit = session.link.submit
 
         def traced_submit(job: Any) -> Any:
             report("push", round=job.pull.round, attempt=job.pull.attempt, fragment=job.pull.fragment,
                    base_version=job.base_version, push_steps=job.steps)
             return submit(job)
 
-        session.client.submit = traced_submit  # type: ignore[method-assign]
+        session.link.submit = traced_submit  # type: ignore[method-assign]
 
     def trace_installs() -> None:
         now = [(f.version, f.steps_mark) for f in session.fragments]

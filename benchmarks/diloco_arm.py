@@ -271,8 +271,8 @@ class Run:
         commits = [r for r in read_tape(self.workdir / f"{self.arm.name}-seed{self.seed}.tape")
                    if r.get("event") == "commit"]
         return {"final_loss": eval_loss(trainees[0].model, self.held_out), "tokens": tokens, "steps": s.steps,
-                "rounds": len(commits), "pushes": sum(session.client.pushes_sent for session in sessions),
-                "bytes_pushed": sum(session.client.bytes_pushed for session in sessions)}
+                "rounds": len(commits), "pushes": sum(session.stats.pushes for session in sessions),
+                "bytes_pushed": sum(session.stats.bytes_pushed for session in sessions)}
 
     def _global_loss(self, session: Any, viewer: torch.nn.Module) -> float:
         """Held-out loss of the global model: the merged value of every fragment, as installed."""

@@ -335,10 +335,10 @@ class Learner:
         self.init_started: float | None = None
         self.sent_at: dict[int, float] = {}
         client = SyncerClient(
-            address=("127.0.0.1", port), key=key, learner_id=learner_id, layout_for=self._layout_for,
-            data_streams=streams,
-            init_values=(lambda: None if client.initial_cut_received.is_set() else init) if learner_id == 0 else None,
+            address=("127.0.0.1", port), key=key, learner_id=learner_id, data_streams=streams,
+            sends_init=learner_id == 0,
         )
+        self.init = init
         orig_send_init, orig_send_push = client._send_init, client._send_push
         self.encode_span: dict[int, tuple[float, float]] = {}
         self._encode_round = -1
@@ -360,6 +360,9 @@ class Learner:
         self.bcast_versions: dict[int, int] = {}
         self.pulls: list[Any] = []
 
+    def start(self) -> None:
+        self.client.start(self._layout_for, lambda: 0)
+
     def _layout_for(self, num_fragments: int, pattern: str) -> Any:
         if (num_fragments, pattern) != (self.layout.num_fragments, self.layout.pattern):
             raise RuntimeError(f"syncer asks for {num_fragments} {pattern} fragments")
@@ -367,7 +370,7 @@ class Learner:
 
     def pump(self, until: Callable[[], bool], timeout: float, what: str) -> None:
         """Drain the client's inbox (dropping broadcast payloads at once) until `until()`."""
-        from yeto_core.client import Lost, Received
+        from yeto_core.link import InitWanted, Lost, Received
         from yeto_core.wire.messages import Bcast, Pull
 
         deadline = time.monotonic() + timeout
@@ -379,6 +382,8 @@ class Learner:
                 item = self.client.inbox.get(timeout=min(left, 0.5))
             except queue.Empty:
                 continue
+            if isinstance(item, InitWanted):  # learner 0 seeds a syncer without state (never reseeds)
+                self.client.provide_init(None if item.reseed else self.init)
             if isinstance(item, Lost):
                 raise RuntimeError(f"link to the syncer lost while waiting for {what}: {item.reason}")
             if isinstance(item, Received):
@@ -400,7 +405,7 @@ def _run_syncer_rep(rep: int, args: argparse.Namespace, workdir: Path, key: byte
     learner = None
     try:
         learner = Learner(syncer.port, key, layout, init, args.streams)
-        learner.client.start()
+        learner.start()
         p = layout.num_fragments
         learner.pump(lambda: len(learner.bcast_versions) == p and bool(learner.pulls), 120,
                      "the initial cut and the first PULL")

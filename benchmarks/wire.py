@@ -84,7 +84,7 @@ def _push_section(args: argparse.Namespace, tmp: Path, key: bytes, key_file: Pat
     try:
         learner = Learner(syncer.port, key, layout, init, args.streams)
         learner.client.codec = learner.client.codec._inner  # type: ignore[attr-defined]  # F32 itself: no copy
-        learner.client.start()
+        learner.start()
         p = layout.num_fragments
         learner.pump(lambda: len(learner.bcast_versions) == p and bool(learner.pulls), 120,
                      "the initial cut and the first PULL")
@@ -158,7 +158,7 @@ def _fanout_section(args: argparse.Namespace, tmp: Path, key: bytes, key_file: P
             lr.client.codec = lr.client.codec._inner  # type: ignore[attr-defined]
             _stamp_bcasts(lr, stamps)
             learners.append(lr)
-            lr.client.start()
+            lr.start()
             if lid != 0:
                 deadline = time.monotonic() + 60
                 while not lr.client.connected:

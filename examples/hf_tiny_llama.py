@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     final = trainer.evaluate()["eval_loss"]
     final_installed = bool(yeto and yeto.final_installed)
     emit("eval", learner=learner_id, phase="final", loss=round(final, 4), final_cut=final_installed,
-         steps=result.global_step, bytes_pushed=yeto.session.client.bytes_pushed if yeto and yeto.session else 0,
-         pushes=yeto.session.client.pushes_sent if yeto and yeto.session else 0)
+         steps=result.global_step, bytes_pushed=yeto.session.stats.bytes_pushed if yeto and yeto.session else 0,
+         pushes=yeto.session.stats.pushes if yeto and yeto.session else 0)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: what every rank holds, to compare
         digest = hashlib.sha256()
         for name, tensor in sorted(model.state_dict().items()):

@@ -26,8 +26,10 @@ import torch
 
 from yeto_core.codecs import BF16, F32, Bf16Parts, Codec, tensor_bytes
 from yeto_core.downlink import AnchorMismatch, DownlinkDecoder
-from yeto_core.faults import fault_point
+from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout
+from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushJob, Received
+from yeto_core.probe import ProbeResult, measure_link
 from yeto_core.wire import auth
 from yeto_core.wire.buffers import receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
@@ -62,43 +64,6 @@ log = logging.getLogger("yeto.client")
 MAX_DOWNLINK_MARGIN = 1 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class Connected:
-    generation: int
-    initial_cut_ready: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class Lost:
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Received:
-    """A syncer message, with its payload decoded to float32 for BCAST and FINAL."""
-
-    msg: Message
-    values: torch.Tensor | None = None
-
-
-Inbound = Connected | Lost | Received
-
-
-@dataclasses.dataclass
-class PushJob:
-    """One push handed to the background sender; `done` is set when it went out or failed."""
-
-    pull: Pull
-    base_version: int
-    tokens: int
-    steps: int
-    step_s: float | None
-    delta: torch.Tensor
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    error: str | None = None
-    nbytes: int = 0
-
-
 class SyncerClient:
     def __init__(
         self,
@@ -106,7 +71,6 @@ class SyncerClient:
         address: tuple[str, int],
         key: bytes,
         learner_id: int,
-        layout_for: Callable[[int, str], Layout],
         codec: Codec = F32,
         data_streams: int = 2,
         connect_timeout_s: float = 10.0,
@@ -117,16 +81,18 @@ class SyncerClient:
         bcast_delta: bool = False,
         overlap: bool = False,
         schedule: str = "rr",
-        init_values: Callable[[], list[torch.Tensor] | None] | None = None,
-        step: Callable[[], int] = lambda: 0,
+        sends_init: bool = False,
+        faults: FaultInjector = NO_FAULTS,
     ) -> None:
+        """`sends_init`: this is learner 0, which describes the model and uploads the initial
+        values to a syncer that has none."""
         self.address = address
         self._key = key
         self.learner_id = learner_id
         # Who this process is, the same on every redial: the syncer tells a redial of the id's
         # holder from a second process started with the same id.
         self.instance = secrets.token_bytes(INSTANCE_BYTES)
-        self._layout_for = layout_for
+        self._layout_for: LayoutFor | None = None
         self.codec = codec
         self._data_streams = data_streams
         self._connect_timeout_s = connect_timeout_s
@@ -138,8 +104,10 @@ class SyncerClient:
         self.overlap = overlap
         self._schedule = schedule
         self._downlink: DownlinkDecoder | None = None
-        self._init_values = init_values
-        self._step = step
+        self._sends_init = sends_init
+        self._faults = faults
+        self._init_answers: queue.SimpleQueue[list[torch.Tensor] | None] = queue.SimpleQueue()
+        self._step: Callable[[], int] = lambda: 0
         self.inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
         self.layout: Layout | None = None
         self.refused: Refused | None = None
@@ -160,9 +128,22 @@ class SyncerClient:
         self.bytes_pushed = 0
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, layout_for: LayoutFor, step: Callable[[], int]) -> None:
+        self._layout_for, self._step = layout_for, step
         for t in self._threads:
             t.start()
+
+    def next_event(self, timeout_s: float) -> Inbound | None:
+        try:
+            return self.inbox.get(block=timeout_s > 0, timeout=timeout_s if timeout_s > 0 else None)
+        except queue.Empty:
+            return None
+
+    def provide_init(self, values: list[torch.Tensor] | None) -> None:
+        self._init_answers.put(values)
+
+    def measure(self, nbytes: int) -> ProbeResult:
+        return measure_link(self.address, self._key, up_bytes=nbytes, down_bytes=nbytes)
 
     @property
     def connected(self) -> bool:
@@ -251,12 +232,13 @@ class SyncerClient:
         streams: list[Stream] = [control]
         try:
             challenge = self._expect(control, Challenge)
+            assert self._layout_for is not None, "SyncerClient.start() gives the layout"
             layout = self._layout_for(challenge.num_fragments, challenge.pattern)
             self.layout = layout
             client_nonce = auth.new_nonce()
             # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
             # syncer without state can build the layout and bound every transfer before any bulk byte.
-            sends_manifest = self._init_values is not None
+            sends_manifest = self._sends_init
             flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
             flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.overlap else 0)
             block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
@@ -291,7 +273,7 @@ class SyncerClient:
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
             on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self._heartbeat_s,
             peer_timeout_s=self._peer_timeout_s, heartbeat_step=self._step, stall_timeout_s=self._stall_timeout_s,
-            schedule=self._schedule,
+            schedule=self._schedule, faults=self._faults,
         )
         if self.initial_cut_received.is_set():
             group.set_user_timeout(self._stall_timeout_s)
@@ -316,7 +298,7 @@ class SyncerClient:
     def _send_init(self, group: ConnectionGroup, layout: Layout) -> None:
         """Learner 0 uploads the manifest and every fragment's initial values (replayed on each
         new connection group until the initial cut arrives; the syncer ignores repeats)."""
-        values = self._init_values() if self._init_values else None
+        values = self._ask_init()
         if values is None:
             return
         from tqdm import tqdm  # local import: only learner 0 ever shows this bar
@@ -335,8 +317,26 @@ class SyncerClient:
                     return
                 bar.update(len(payload))
                 if frag.index + 1 < len(values):
-                    fault_point("mid-init")
+                    self._faults.point("mid-init")
         log.info("learner 0: INIT of %d fragments (%.1f MB) uploaded", len(values), total / 1e6)
+
+    def _ask_init(self) -> list[torch.Tensor] | None:
+        """Ask the training thread for the INIT values (`InitWanted`) and wait for its answer."""
+        while True:  # an answer left over from a connection that died meanwhile is stale
+            try:
+                self._init_answers.get_nowait()
+            except queue.Empty:
+                break
+        reseed = self.initial_cut_received.is_set()
+        if reseed:
+            log.warning("learner 0: the syncer has no model state; seeding it from this learner's current weights")
+        self.inbox.put(InitWanted(reseed))
+        while not self._stop.is_set():
+            try:
+                return self._init_answers.get(timeout=0.2)
+            except queue.Empty:
+                continue
+        return None
 
     def _on_message(self, msg: Message, payload: memoryview | None) -> None:
         values = None
@@ -403,7 +403,7 @@ class SyncerClient:
         return buf
 
     def _send_push(self, job: PushJob) -> None:
-        fault_point("before-push")
+        self._faults.point("before-push")
         with self._group_lock:
             group = self._group
         if group is None or group.closed:

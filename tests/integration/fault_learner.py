@@ -61,15 +61,15 @@ def main() -> int:
     session = LearnerSession(config, list(model.named_parameters()))
     stats = session.stats
 
-    submit = session.client.submit
+    submit = session.link.submit
 
     def reported_submit(job: PushJob) -> None:  # runs on this (the training) thread
         report("push", round=job.pull.round, attempt=job.pull.attempt, fragment=job.pull.fragment,
-               base_version=job.base_version, tokens=job.tokens, steps=job.steps, generation=session._generation,
+               base_version=job.base_version, tokens=job.tokens, steps=job.steps, generation=session.generation,
                cum_tokens=stats.tokens, cum_steps=stats.steps)
         submit(job)
 
-    session.client.submit = reported_submit  # type: ignore[method-assign]
+    session.link.submit = reported_submit  # type: ignore[method-assign]
 
     seen = 0
 

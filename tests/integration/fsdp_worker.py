@@ -138,7 +138,7 @@ def settle(session: LearnerSession, store: ProcessGroupStore, what: Callable[[Le
         if time.monotonic() > deadline:
             raise TimeoutError("lock step: the syncer did not answer in time")
         store.tick()
-        session._drain(timeout=0.02)
+        session.pump(0.02)
 
 
 def lock_step(s: LearnerSession, store: ProcessGroupStore, step: int, every: int) -> bool:
@@ -146,14 +146,13 @@ def lock_step(s: LearnerSession, store: ProcessGroupStore, step: int, every: int
     streamed and the BCAST of its round has arrived (it is installed at this step), and at a
     boundary the PULL it answers is there."""
     deadline = time.monotonic() + 60
-    job = s._push
+    job = s.push
     if job is not None:
-        settle(s, store, lambda s: job.done.is_set() or s._final_ready(), deadline)
+        settle(s, store, lambda s: job.done.is_set() or s.final_ready, deadline)
         f, v = job.pull.fragment, job.pull.version + 1
-        settle(s, store, lambda s: s._final_ready() or s.fragments[f].version >= v or (
-            f in s._bcasts and s._bcasts[f][0].version >= v), deadline)
+        settle(s, store, lambda s: s.final_ready or s.fragments[f].bcast_arrived_after(v - 1), deadline)
     if step % every == 0:
-        settle(s, store, lambda s: s._final_ready() or any(p.round == step // every - 1 for p in s._pulls.values()),
+        settle(s, store, lambda s: s.final_ready or any(p.round == step // every - 1 for p in s.pending_pulls()),
                deadline)
     return False
 

@@ -59,7 +59,7 @@ def settle(islands: Sequence[Island], what: Callable[[], bool], deadline: float,
     only when every island has seen that PULL and replayed its push."""
     while True:
         for island in islands:
-            island.session._drain(timeout=0.01 / len(islands))
+            island.session.pump(0.01 / len(islands))
         if what():
             return
         if time.monotonic() > deadline:
@@ -67,17 +67,15 @@ def settle(islands: Sequence[Island], what: Callable[[], bool], deadline: float,
 
 
 def pushed(job: PushJob, s: LearnerSession) -> bool:
-    return job.done.is_set() or s._final_ready()
+    return job.done.is_set() or s.final_ready
 
 
 def has_bcast(s: LearnerSession, fragment: int, version: int) -> bool:
-    held = s._bcasts.get(fragment)
-    return s._final_ready() or s.fragments[fragment].version >= version or (held is not None and
-                                                                             held[0].version >= version)
+    return s.final_ready or s.fragments[fragment].bcast_arrived_after(version - 1)
 
 
 def has_pull(s: LearnerSession, round_id: int) -> bool:
-    return s._final_ready() or any(p.round == round_id for p in s._pulls.values())
+    return s.final_ready or any(p.round == round_id for p in s.pending_pulls())
 
 
 def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faults: bool = False,
@@ -97,7 +95,7 @@ def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faul
         t.start()
     for t in threads:
         t.join(timeout)
-    assert all(i.session._all_installed() for i in islands), "an island did not get the initial cut"
+    assert all(i.session.initial_cut_installed for i in islands), "an island did not get the initial cut"
     deadline = time.monotonic() + timeout
     waiting: dict[int, tuple[int, int]] = {}  # island -> (fragment, version) of the BCAST it waits for
     while not all(i.finished for i in islands):
@@ -107,8 +105,8 @@ def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faul
             s = island.session
             be = s.boundary_every
             step = s.stats.steps + 1
-            if s._push is not None:
-                job = s._push
+            if s.push is not None:
+                job = s.push
                 settle(islands, functools.partial(pushed, job, s), deadline, "a push to stream", syncer)
                 assert faults or not job.error, job.error
                 waiting[n] = (job.pull.fragment, job.pull.version + 1)
@@ -123,14 +121,14 @@ def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faul
                 if k + 1 < overlap_until:
                     settle(islands, functools.partial(has_pull, s, k + 1), deadline,
                            f"the PULL of round {k + 1} (overlapping round {k})", syncer)
-            if s._push is not None and not s._push.done.is_set():  # a replay submitted while it waited
-                settle(islands, functools.partial(pushed, s._push, s), deadline, "a replayed push to stream", syncer)
-            most = max(most, len(s._pulls))
+            if s.push is not None and not s.push.done.is_set():  # a replay submitted while it waited
+                settle(islands, functools.partial(pushed, s.push, s), deadline, "a replayed push to stream", syncer)
+            most = max(most, len(s.pending_pulls()))
             if before_step is not None:
                 before_step(n, step)
             island.train_step()
-            if not island.finished and step % be == 0 and not s._final_ready():
-                assert s._push is not None and s._push.pull.round == step // be - 1, (
+            if not island.finished and step % be == 0 and not s.final_ready:
+                assert s.push is not None and s.push.pull.round == step // be - 1, (
                     f"island {n} step {step}: the boundary pushed nothing (push in flight: "
-                    f"{None if s._push is None else (s._push.pull, s._push.done.is_set())}, pulls {s._pulls})")
+                    f"{None if s.push is None else (s.push.pull, s.push.done.is_set())}, pulls {s.pending_pulls()})")
     return most

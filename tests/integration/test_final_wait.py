@@ -1,4 +1,4 @@
-"""Who a finalizing syncer waits for (SPEC §2.9): learners that trained and lost their link
+"""Who a finalizing syncer waits for (DESIGN §4.7): learners that trained and lost their link
 without a goodbye are waited for (until --final-timeout-s), but one that got the final cut and
 then left is done, even without a goodbye."""
 
@@ -22,13 +22,13 @@ def test_a_learner_that_dropped_once_and_left_after_the_final_cut_does_not_hold_
     island.start()
     try:
         island.train_until(lambda: len(syncer.commits()) >= 3, 60, "three commits")
-        group = island.session.client._group
+        group = island.session.link._group
         assert group is not None
         group.close("test: the link drops without a goodbye")  # the learner redials by itself
         island.train_until(lambda: False, 60, "the final cut")
         assert island.session.stats.final_installed
     finally:
-        island.session.client.close("test: gone without a goodbye", bye=False)
+        island.session.link.close("test: gone without a goodbye", bye=False)
     started = time.monotonic()
     wait_until(lambda: syncer.proc.poll() is not None, 30, "the syncer to exit after the final cut")
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()

@@ -1,5 +1,5 @@
 """Hostile bytes against a real syncer: one ERROR frame, the socket closed, and everyone else
-served on (SPEC §4.1, §4.2, §6). The honest learner is a framework-free `LearnerSession` over a
+served on (DESIGN §7.1, §7.2, §9.3). The honest learner is a framework-free `LearnerSession` over a
 small torch module, so no HF import is needed."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run_island_through(syncer: Syncer, key_file: Path, attack: Callable[[int, by
         attack(syncer.port, bytes(32), key)
         assert syncer.proc.poll() is None, syncer.proc.tail()
         island.start()
-        assert island.session.client.refused is None
+        assert island.session.link.refused is None
         island.train_until(lambda: len(syncer.commits()) >= 3, 60, "3 committed rounds")
         # Mid-run: the model is pinned and rounds are under way.
         attack(syncer.port, island.fingerprint, key)

@@ -1,4 +1,4 @@
-"""An INIT cut between fragments is replayed with the same result (SPEC §4.6).
+"""An INIT cut between fragments is replayed with the same result (DESIGN §4.2).
 
 Learner 0 holds a model whose INIT spans several fragments and several chunks. A relay closes its
 data stream in the middle of the INIT upload, on the first connection group only. The learner
@@ -131,7 +131,7 @@ def one_run(procs: Procs, key_file: Path, *, cut: bool) -> dict[str, Any]:
         started = True
         records = wait_until(lambda: [r for r in read_tape(tape) if r.get("event") == "init"], 30,
                              "the syncer's initial cut", on_timeout=syncer.proc.tail)
-        assert island.session._all_installed(), "the learner started training without the initial cut"
+        assert island.session.initial_cut_installed, "the learner started training without the initial cut"
         # No push can have happened (no step ran), so the checkpoint still holds the initial cut.
         init_copy = procs.workdir / f"init-{tag}.safetensors"
         shutil.copyfile(checkpoint, init_copy)

@@ -1,4 +1,4 @@
-"""A learner that (re)joins while the syncer is sending the final cut (SPEC §2.9, §3.7)."""
+"""A learner that (re)joins while the syncer is sending the final cut (DESIGN §3.7, §4.7)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_learner_joining_during_finalization_takes_the_final_cut_at_once(procs: 
         t0 = time.monotonic()
         late.start()
         waited = time.monotonic() - t0
-        assert late.session.client.refused is None
+        assert late.session.link.refused is None
         assert waited < INIT_TIMEOUT_S / 2, f"start() blocked {waited:.1f} s although the final cut had arrived"
         assert late.train_step(), "the first step after joining must install the final cut and stop"
         ckpt = checkpoint_params(syncer.checkpoint)

@@ -1,5 +1,5 @@
 """A push holding NaN or Inf, from a peer that holds the key and the model, is refused as it lands:
-one ERROR naming the reason, nothing of it merged, and the run goes on (SPEC §3.5, §6)."""
+one ERROR naming the reason, nothing of it merged, and the run goes on (DESIGN §7.5, §9.3)."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def test_the_syncer_refuses_an_init_holding_nan(procs: Procs, key_file: Path, mo
     try:
         island.start()  # gives up waiting for the initial cut after 2 s; its link keeps offering INIT
         wait_until(lambda: "contains NaN or Inf" in syncer.proc.stderr(), 30, "the syncer's refusal of the INIT")
-        assert not island.session.client.initial_cut_received.is_set()
+        assert not island.session.link.initial_cut_received.is_set()
     finally:
         island.close()
     assert syncer_exit_code(syncer) == 3, syncer.proc.tail()  # no complete INIT: it never trained
@@ -149,7 +149,7 @@ def test_a_finite_delta_that_would_overflow_the_merge_is_left_out_and_named(proc
     seen: list[Message] = []
     try:
         island.start()
-        island.train_until(lambda: island.session.layout is not None and island.session.client.initial_cut_received
+        island.train_until(lambda: island.session.layout is not None and island.session.link.initial_cut_received
                            .is_set(), 60, "the initial cut")
         peer = join_raw(syncer.port, key, 1, island.fingerprint, data_streams=2)
         group = ConnectionGroup(peer.control, peer.data, name="huge-peer", on_message=lambda m, p: inbox.put(m),

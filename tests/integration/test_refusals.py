@@ -1,6 +1,6 @@
 """Refused islands (wrong key, different model, an id another live process holds) stop with the
-refusal as their error, or train on alone when told to; the run goes on without them (SPEC §2.1,
-§4.2, §6; issue 14)."""
+refusal as their error, or train on alone when told to; the run goes on without them (DESIGN §3.8,
+§7.2, §9.4; issue 14)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def test_phases_that_end_in_a_sweep_train_one_model_with_the_syncer(procs: Procs
             if not overlap and session.stats.pushes + session.stats.push_failures > pushes:
                 # It came back once its pushes were merged and installed.
                 assert session.stats.installs > installs
-                assert not session._sweep_left()
+                assert not session.pulls_to_answer()
         assert finished, "the final cut never came"
         assert session.stats.final_installed
     finally:

@@ -1,4 +1,4 @@
-"""bf16 pushes (SPEC §4.4) against the real syncer: a bf16 island and an f32 island merge into
+"""bf16 pushes (DESIGN §7.3) against the real syncer: a bf16 island and an f32 island merge into
 one model, and both end with the syncer's exact final bits."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_bf16_and_f32_islands_merge_into_one_model(procs: Procs, key_file: Path)
     islands = [Island(syncer, key_file, 0, wire_dtype="f32"), Island(syncer, key_file, 1, wire_dtype="bf16")]
     try:
         train_to_the_final_cut(islands)
-        assert [i.session.client.codec.name for i in islands] == ["f32", "bf16"]
+        assert [i.session.link.codec.name for i in islands] == ["f32", "bf16"]
         assert all(i.session.stats.pushes > 0 for i in islands)
     finally:
         for island in islands:
@@ -67,7 +67,7 @@ def test_delta_broadcasts_track_the_syncer_and_the_final_cut_is_exact(procs: Pro
     islands = [Island(syncer, key_file, 0, bcast_delta=True), Island(syncer, key_file, 1, wire_dtype="bf16")]
     try:
         train_to_the_final_cut(islands)
-        decoder = islands[0].session.client._downlink
+        decoder = islands[0].session.link._downlink
         assert decoder is not None and all(v >= 1 for v in decoder.versions), "no delta broadcast was applied"
         assert islands[0].session.stats.connected_generations == [1], "an anchor mismatch forced a reconnect"
     finally:

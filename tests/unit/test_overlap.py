@@ -1,4 +1,4 @@
-"""Overlap rebasing (SPEC §2.5, Mix1) and blocking fragments (§2.6), on a session fed by hand.
+"""Overlap rebasing (Mix1) and blocking fragments (Mix2), on a session fed by hand.
 
 The "model" is one integer-valued f32 vector and each training step adds a known integer vector,
 so every expected value below is exact: the test checks that each step's progress reaches the
@@ -11,13 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from learner_harness import hand_fed
 
 from yeto_core.blocking import blocking_fragments, parse_blocking
-from yeto_core.client import PushJob, Received
 from yeto_core.layout import TensorSpec, build_layout
-from yeto_core.learner import LearnerSession
-from yeto_core.settings import LearnerSettings
-from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Pull
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -30,32 +27,25 @@ def progress(step: int) -> torch.Tensor:
 
 
 class HandFed:
-    """A session over one tensor whose network side is driven by the test."""
+    """A session over one tensor whose syncer is the test (an in-memory link, a fake clock)."""
 
     def __init__(self, **settings: Any) -> None:
         self.theta = torch.zeros(N)
-        config = LearnerSettings(syncer="127.0.0.1:9", key="k" * 32, sync_interval=2, merge_alpha=0.0, **settings)
-        self.session = LearnerSession(config, [("w", self.theta)])
-        self.session._layout_for(1, "binpack")
-        self.jobs: list[PushJob] = []
-        self.session.client.submit = self._submit  # type: ignore[method-assign]
+        self.session, self.link, self.clock, _ = hand_fed([("w", self.theta)], **settings)
+        self.jobs = self.link.jobs
         self.step = 0
 
-    def _submit(self, job: PushJob) -> None:
-        job.done.set()  # "sent" at once
-        self.jobs.append(job)
-
     def bcast(self, version: int, round_id: int, values: torch.Tensor, *, merged: bool) -> None:
-        flags = BCAST_FULL | (BCAST_MERGED if merged else 0)
-        self.session._accept(Received(Bcast(0, version, round_id, flags, 0, 0, 0), values.clone()))
+        self.link.bcast(0, version, round_id, values, merged=merged)
 
     def initial_cut(self, values: torch.Tensor) -> None:
-        """Version 0 of the fragment, installed before training starts (as `start` does)."""
+        """Version 0 of the fragment, installed before training starts."""
         self.bcast(0, 0, values, merged=False)
-        self.session._install_bcasts()
+        self.session.start()
+        assert self.session.initial_cut_installed
 
     def pull(self, round_id: int, version: int) -> None:
-        self.session._accept(Received(Pull(round_id, 1, 0, version)))
+        self.link.pull(round_id, 0, version)
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
@@ -150,12 +140,13 @@ def test_a_blocking_fragment_is_installed_at_its_own_boundary() -> None:
     fed.pull(0, 0)
     g1 = torch.full((N,), 9.0)
 
-    def merged_meanwhile(timeout: float = 0.0) -> None:  # the syncer answers while the step waits
+    def merged_meanwhile() -> None:  # the syncer answers while the step waits, 0.3 s later
         if fed.jobs and fed.session.fragments[0].version < 1:
+            fed.clock.advance(0.3)
             fed.bcast(1, 0, g1, merged=True)
 
-    fed.session._drain = merged_meanwhile  # type: ignore[method-assign]
+    fed.link.on_wait = merged_meanwhile
     fed.train(2)  # step 2 pushes round 0 and waits for it: G1 is installed before step 3
     assert fed.session.fragments[0].version == 1
     assert torch.equal(fed.theta, g1)  # merge_alpha 0: the merged value, at the boundary itself
-    assert fed.session.stats.blocked_s >= 0.0
+    assert fed.session.stats.blocked_s == pytest.approx(0.3)

@@ -1,0 +1,252 @@
+"""The learner session through its public API only: an in-memory link plays the syncer and a fake
+clock moves only while the session waits, so timeouts of minutes pass in microseconds and every
+schedule below is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from learner_harness import hand_fed
+
+from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult
+from yeto_core.refusal import IslandRefused
+from yeto_core.wire.errors import ErrorCode, Refused
+from yeto_core.wire.messages import Done
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+
+def test_learner_0_answers_init_at_its_next_tick_and_replays_one_snapshot_until_the_first_cut() -> None:
+    w = torch.arange(4, dtype=torch.float32)
+    s, link, clock, _ = hand_fed([("w", w)], init_timeout_s=5)
+    link.ask_init()  # the syncer has no state: learner 0 must describe and upload the model
+    s.start()  # no cut comes: it gives up after 5 s of its clock, the request answered meanwhile
+    assert [a is not None and torch.equal(a[0], torch.arange(4.0)) for a in link.init_answers] == [True]
+    assert clock.now == pytest.approx(1005.0, abs=0.5)
+    w.add_(10.0)
+    s.step(tokens=1)
+    link.ask_init()  # a new connection before the first cut: the same initial snapshot again
+    s.step(tokens=1)
+    assert torch.equal(link.init_answers[1][0], torch.arange(4.0))  # type: ignore[index]
+    link.bcast(0, 0, 0, torch.zeros(4))
+    s.step(tokens=1)
+    link.ask_init(reseed=True)  # the syncer lost its state after the first cut: seed it from now
+    w.add_(1.0)
+    s.step(tokens=1)
+    assert torch.equal(link.init_answers[2][0], torch.ones(4))  # type: ignore[index]
+    assert s.stats.init_answers == 2  # the first read and the reseed; the replay reused the snapshot
+
+
+def test_a_run_never_starts_from_nan_weights_and_the_link_is_not_left_waiting() -> None:
+    w = torch.tensor([0.0, float("nan")])
+    s, link, _, _ = hand_fed([("w", w)])
+    link.ask_init()
+    with pytest.raises(ValueError, match=r"initial weights hold NaN or Inf \(first in 'w'\)"):
+        s.start()
+    assert link.init_answers == [None]
+
+
+def test_an_init_request_is_answered_inside_a_lockstep_wait_that_then_runs_out() -> None:
+    w = torch.zeros(3)
+    s, link, clock, _ = hand_fed([("w", w)], lockstep=True, lockstep_timeout_s=60)
+    link.bcast(0, 0, 0, torch.zeros(3))
+    s.start()
+    asked = []
+
+    def syncer_restarted() -> None:  # while the step waits for a pull, the syncer asks for INIT once
+        if not asked:
+            asked.append(True)
+            link.ask_init(reseed=True)
+
+    link.on_wait = syncer_restarted
+    s.step(tokens=1)
+    s.step(tokens=1)  # a boundary: waits for a pull that never comes
+    assert len(link.init_answers) == 1 and link.init_answers[0] is not None  # not starved by the wait
+    assert s.stats.lockstep_misses == 1
+    assert clock.now >= 1060.0
+
+
+def test_every_deadline_is_on_the_session_clock() -> None:
+    s, link, clock, _ = hand_fed([("w", torch.zeros(2))], init_timeout_s=600, final_timeout_s=300)
+    s.start()
+    assert not s.initial_cut_installed and clock.now == pytest.approx(1600.0, abs=0.5)
+    assert not s.finish()  # no final cut: it gives up after 300 s of its clock, having said DONE once
+    assert clock.now == pytest.approx(1900.0, abs=0.6)
+    assert link.sent == [Done(0)]
+
+
+def test_pushes_carry_what_trained_since_the_anchor_and_the_step_time_of_the_clock() -> None:
+    w = torch.zeros(2)
+    s, link, clock, _ = hand_fed([("w", w)], sync_interval=3)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    for _ in range(3):
+        clock.advance(2.0)
+        w.add_(1.0)
+        s.step(tokens=5)
+    (job,) = link.jobs
+    assert (job.tokens, job.steps, job.base_version) == (15, 3, 0)
+    assert torch.equal(job.delta, torch.full((2,), 3.0)) and job.step_s == pytest.approx(2.0)
+    s.step(tokens=5)  # the next step counts the push that went out
+    assert (s.stats.pushes, s.stats.bytes_pushed) == (1, 8)
+
+
+def test_a_round_pulled_again_on_a_new_connection_gets_the_very_same_delta() -> None:
+    w = torch.zeros(2)
+    s, link, _, _ = hand_fed([("w", w)])
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=4)
+    s.step(tokens=4)  # boundary: push round 0
+    w.add_(5.0)  # trained after the push: not part of the replay
+    link.lose()
+    link.connect()
+    link.pull(0, 0, 0, attempt=2)  # the syncer restarted before committing round 0
+    s.step(tokens=4)
+    first, replay = link.jobs
+    assert replay.pull.attempt == 2 and torch.equal(replay.delta, first.delta)
+    assert (replay.tokens, replay.steps) == (first.tokens, first.steps) == (8, 2)
+    assert s.stats.replays == 1 and s.generation == 2
+
+
+def test_a_re_pull_after_the_base_moved_is_answered_with_a_fresh_delta() -> None:
+    w = torch.zeros(2)
+    s, link, _, _ = hand_fed([("w", w)])
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=1)
+    s.step(tokens=1)  # push round 0 on base 0
+    link.bcast(0, 1, 0, torch.full((2,), 7.0), merged=True)  # round 0 committed with this push
+    link.pull(1, 0, 1)
+    s.step(tokens=1)  # rebases onto version 1: θ = 7 + what trained since the push (nothing)
+    assert torch.equal(w, torch.full((2,), 7.0))
+    link.pull(0, 0, 0, attempt=2)  # a late re-pull of round 0: its base has moved on, nothing to replay
+    w.add_(1.0)
+    s.step(tokens=1)  # boundary: round 1 on base 1
+    assert [j.pull.round for j in link.jobs] == [0, 1] and s.stats.replays == 0
+    second = link.jobs[1]
+    assert torch.equal(second.delta, torch.ones(2)) and (second.base_version, second.steps) == (1, 2)
+
+
+def test_finish_installs_the_final_cut_exactly() -> None:
+    w = torch.zeros(3)
+    s, link, _, _ = hand_fed([("w", w)], merge_alpha=0.5)
+    link.bcast(0, 0, 0, torch.zeros(3))
+    s.start()
+    w.add_(2.0)
+    s.step(tokens=1)
+    cut = torch.tensor([1.0, 2.0, 3.0])
+
+    def syncer_finalizes() -> None:
+        if any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
+            link.final(0, 9, cut, rounds=4)
+
+    link.on_wait = syncer_finalizes
+    assert s.finish()
+    assert torch.equal(w, cut) and s.stats.final_installed and s.fragments[0].version == 9
+    s.close()
+    assert link.closed == "final cut installed"
+
+
+def test_the_final_flush_pushes_what_trained_since_the_last_push_before_saying_done() -> None:
+    w = torch.zeros(2)
+    s, link, _, _ = hand_fed([("w", w)], final_flush=True, sync_interval=100)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    w.add_(3.0)
+    s.step(tokens=2)  # no boundary before the end
+    link.pull(0, 0, 0)
+
+    def syncer() -> None:
+        if link.jobs and s.fragments[0].version == 0:
+            link.bcast(0, 1, 0, torch.full((2,), 3.0), merged=True)
+        elif any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
+            link.final(0, 1, torch.full((2,), 3.0))
+
+    link.on_wait = syncer
+    assert s.finish()
+    (job,) = link.jobs
+    assert torch.equal(job.delta, torch.full((2,), 3.0)) and job.steps == 1
+    assert link.sent == [Done(1)]  # DONE only once the flushed push was merged
+
+
+def test_sweep_answers_every_pull_then_waits_for_the_merges() -> None:
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=1000, overlap=False)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    a.add_(1.0)
+    b.add_(2.0)
+    s.step(tokens=1)
+    link.pull(0, 0, 0)
+    link.pull(1, 1, 0)
+
+    def syncer_merges() -> None:
+        for job in link.jobs:
+            f = job.pull.fragment
+            if s.fragments[f].version == 0 and s.fragments[f].bcast is None:
+                link.bcast(f, 1, job.pull.round, job.delta, merged=True)
+
+    link.on_wait = syncer_merges
+    assert not s.sweep()
+    assert sorted(j.pull.fragment for j in link.jobs) == [0, 1]
+    assert [f.version for f in s.fragments] == [1, 1] and not s.pulls_to_answer()
+    assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.full((2,), 2.0))
+
+
+def test_with_overlap_a_sweep_returns_once_the_pushes_are_out() -> None:
+    s, link, clock, _ = hand_fed([("w", torch.ones(2))], overlap=True, sync_interval=1000)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    s.step(tokens=1)
+    link.pull(0, 0, 0)
+    before = clock.now
+    assert not s.sweep()
+    assert len(link.jobs) == 1 and s.fragments[0].version == 0 and clock.now - before < 0.2
+
+
+def test_a_push_that_failed_is_counted_and_its_pull_waits_for_the_next_one() -> None:
+    w = torch.zeros(2)
+    s, link, _, _ = hand_fed([("w", w)])
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.send_pushes = False
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=1)
+    s.step(tokens=1)
+    (job,) = link.jobs
+    link.pull(1, 0, 0)
+    s.step(tokens=1)
+    s.step(tokens=1)  # a boundary while the push still streams: nothing new goes out
+    assert len(link.jobs) == 1 and s.push is job
+    job.error = "no link to the syncer"
+    job.done.set()
+    s.step(tokens=1)
+    s.step(tokens=1)
+    assert s.stats.push_failures == 1 and [j.pull.round for j in link.jobs] == [0, 1]
+
+
+def test_a_permanent_refusal_stops_the_island_unless_it_may_train_alone() -> None:
+    s, link, _, _ = hand_fed([("w", torch.zeros(2))])
+    link.refused = Refused(ErrorCode.AUTH, "wrong key")
+    with pytest.raises(IslandRefused, match="wrong key"):
+        s.step(tokens=1)
+    alone, link2, _, _ = hand_fed([("w", torch.zeros(2))], alone_if_refused=True)
+    link2.refused = Refused(ErrorCode.AUTH, "wrong key")
+    assert not alone.step(tokens=1) and not alone.finish()
+
+
+def test_a_link_below_the_minimum_rate_exits_75_before_joining() -> None:
+    s, link, _, said = hand_fed([("w", torch.zeros(2))], wan_probe_min_mbps=100)
+    link.measured = ProbeResult(12.5, 900.0)
+    with pytest.raises(SystemExit) as exited:
+        s.start()
+    assert exited.value.code == PROBE_EXIT_CODE and link.layout is None  # never dialed
+    assert "too slow to join" in said[0] and "12.5 Mbit/s up" in said[0]

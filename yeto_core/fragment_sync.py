@@ -1,0 +1,273 @@
+"""The learner's per-fragment rules, without time or I/O: what to push, replay and install
+(DESIGN §3.1–3.3, §3.6–3.7).
+
+`FragmentSync` holds one `FragmentState` per fragment and applies the syncer's messages to
+them. The learner session decides *when* (at which step, after which wait); this module
+decides *what*, from the records alone:
+
+* **Pushing** (`boundary`). A held PULL is answered with d = θ − anchor, plus the tokens and
+  steps trained since the anchor, once its BCAST is installed and something trained since. One
+  push streams at a time; a delta holding NaN or Inf is never sent.
+* **Replaying** (`take` of a PULL). A round pulled again (the connection dropped, or the syncer
+  restarted before committing it) gets the very delta it was sent before, so it merges what it
+  would have merged undisturbed, and the steps trained since stay in θ − anchor.
+* **Installing** (`install_bcasts`). In place, optimizer moments untouched: by rebasing,
+  θ ← Θ + (θ − base) (overlap: steps trained while the round was in flight are kept), or by
+  blending, θ ← α·θ + (1 − α)·Θ. The first cut always overwrites. The anchor becomes Θ.
+* **The final cut** (`install_final`): every fragment's FINAL, installed exactly, all or nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from yeto_core.codecs import Codec
+from yeto_core.layout import Layout
+from yeto_core.learner_state import FragmentState, LearnerStats
+from yeto_core.link import PushJob
+from yeto_core.store import TensorStore, check_fragment_values, nonfinite_tensor
+from yeto_core.wire.messages import BCAST_MERGED, Bcast, Final, Message, Pull
+
+log = logging.getLogger("yeto.learner")
+
+
+class FragmentSync:
+    def __init__(self, *, learner_id: int, store: TensorStore, codec: Codec, stats: LearnerStats, overlap: bool,
+                 merge_alpha: float, submit: Callable[[PushJob], None], say: Callable[[str], None]) -> None:
+        self.learner_id = learner_id
+        self.store = store
+        self.codec = codec
+        self.stats = stats
+        self.overlap = overlap
+        self.merge_alpha = merge_alpha
+        self._submit = submit
+        self._say = say
+        self.layout: Layout | None = None
+        self.fragments: list[FragmentState] = []
+        self.blocking: frozenset[int] = frozenset()  # fragments waited for at their boundary (Mix2)
+        self.push: PushJob | None = None  # the push last handed to the link, until accounted for
+        self.links = 0  # connections made so far (the syncer's attempt numbers restart with each)
+
+    def begin(self, layout: Layout, blocking: frozenset[int]) -> None:
+        self.layout, self.blocking = layout, blocking
+        self.fragments = [FragmentState() for _ in range(layout.num_fragments)]
+
+    def gather(self, index: int) -> torch.Tensor:
+        assert self.layout is not None
+        return self.store.gather(self.layout.fragments[index])
+
+    # -- what the syncer sent ----------------------------------------------------------------
+    def take(self, msg: Message, values: torch.Tensor | None) -> None:
+        if isinstance(msg, Pull):
+            if self.fragments[msg.fragment].take_pull(msg, self.links):
+                self._replay(msg.fragment)
+        elif isinstance(msg, Bcast):
+            assert values is not None
+            self.fragments[msg.fragment].take_bcast(msg, values)
+        elif isinstance(msg, Final):
+            assert values is not None
+            self.fragments[msg.fragment].final = (msg, values)
+
+    # -- questions the session's waits ask ---------------------------------------------------
+    @property
+    def initial_cut_installed(self) -> bool:
+        return bool(self.fragments) and all(f.version >= 0 for f in self.fragments)
+
+    @property
+    def final_ready(self) -> bool:
+        return bool(self.fragments) and all(f.final is not None for f in self.fragments)
+
+    def pending_pulls(self) -> list[Pull]:
+        return sorted((f.pull for f in self.fragments if f.pull is not None), key=lambda p: (p.round, p.attempt))
+
+    def push_in_flight(self) -> bool:
+        """Whether the last push is still streaming; if it ended, account for it."""
+        job = self.push
+        if job is None:
+            return False
+        if not job.done.is_set():
+            return True
+        if job.error:
+            self.stats.push_failures += 1
+            log.info("learner %d: push of fragment %d failed (%s)", self.learner_id, job.pull.fragment, job.error)
+        else:
+            self.stats.pushes += 1
+            self.stats.bytes_pushed += job.nbytes
+        self.push = None
+        return False
+
+    def pushes_merged(self) -> bool:
+        """Every push sent has had its round's BCAST arrive (or installed)."""
+        return all(f.sent is None or f.bcast_arrived_after(f.sent.base_version) for f in self.fragments)
+
+    def pull_answerable(self) -> bool:
+        """No push is streaming and a held PULL can be answered with the installed anchors."""
+        if self.push_in_flight():
+            return False
+        return any(f.pull is not None and f.version == f.pull.version for f in self.fragments)
+
+    def pulls_to_answer(self) -> bool:
+        """A PULL is held that a boundary can answer now, or once the BCAST it names is in."""
+        for f in self.fragments:
+            if f.pull is None:
+                continue
+            if f.version < f.pull.version:
+                return True
+            if f.version == f.pull.version and f.anchor is not None and self.stats.steps > f.steps_mark:
+                return True
+        return False
+
+    def flushed(self) -> bool:
+        """Every fragment's anchor was installed after the last trained step: each step is in a
+        merged round (DONE only then, so the syncer never drops an answer it has not decoded)."""
+        return all(f.steps_mark == self.stats.steps or f.anchor is None for f in self.fragments)
+
+    # -- pushing -----------------------------------------------------------------------------
+    def boundary(self, step_s: float | None) -> PushJob | None:
+        """Answer the oldest answerable PULL (one push streams at a time); the job, if one went out."""
+        if self.push_in_flight():
+            return None  # pulls stay held
+        for pull in self.pending_pulls():
+            state = self.fragments[pull.fragment]
+            if state.version > pull.version:
+                state.pull = None  # that round was already committed without us
+                continue
+            steps = self.stats.steps - state.steps_mark
+            if state.version < pull.version or steps == 0 or state.anchor is None:
+                continue  # its BCAST is not installed yet, or nothing trained since
+            delta = self.gather(pull.fragment).sub_(state.anchor)
+            state.pull = None
+            if not self._finite(pull, delta):
+                continue
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta)
+            self.push = state.sent = job
+            state.sent_link = self.links
+            state.sent_marks = (self.stats.tokens, self.stats.steps)
+            self._submit(job)
+            return job
+        return None
+
+    def _replay(self, index: int) -> None:
+        state = self.fragments[index]
+        sent, pull = state.sent, state.pull
+        if sent is None or pull is None or pull.round != sent.pull.round:
+            return
+        if pull.attempt == sent.pull.attempt and state.sent_link == self.links:
+            return  # the very pull it answered
+        if pull.version != sent.base_version or state.version != sent.base_version:
+            state.sent, state.sent_marks = None, None  # the base moved on: the old delta no longer applies
+            return
+        if self.push_in_flight():
+            return  # the next boundary answers this pull with a fresh delta instead
+        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta)
+        state.pull = None
+        self.push = state.sent = job
+        state.sent_link = self.links
+        self.stats.replays += 1
+        log.info("learner %d: round %d pulled again (attempt %d); pushing the same delta", self.learner_id,
+                 pull.round, pull.attempt)
+        self._submit(job)
+
+    def _finite(self, pull: Pull, delta: torch.Tensor) -> bool:
+        """A delta holding NaN or Inf is not sent: the syncer would refuse it after it crossed
+        the link, and re-pulls would send it again. The round goes on without this learner; the
+        fragment's next broadcast replaces the diverged values (with merge_alpha 0)."""
+        assert self.layout is not None
+        name = nonfinite_tensor(self.layout.fragments[pull.fragment], delta)
+        if name is None:
+            return True
+        self.stats.nonfinite_deltas += 1
+        message = (f"yeto learner {self.learner_id}: the delta of fragment {pull.fragment} holds NaN or Inf "
+                   f"(first in {name!r}); round {pull.round} is not answered: this island's training diverged")
+        if self.stats.nonfinite_deltas == 1:  # said once to the user; every time in the log
+            self._say(message)
+        log.error("%s", message)
+        return False
+
+    # -- installing --------------------------------------------------------------------------
+    def install_bcasts(self) -> None:
+        for index, state in enumerate(self.fragments):
+            if state.bcast is None:
+                continue
+            msg, values = state.bcast
+            sent, marks = state.sent, state.sent_marks
+            if msg.version != state.version:
+                first = state.version < 0
+                if self.overlap and not first:
+                    if not self._rebase(state, index, msg, values):
+                        marks = None  # the progress before the push is still ours to push: keep the marks
+                else:
+                    self._install(index, values, alpha=0.0 if first else self.merge_alpha)
+                state.version = msg.version
+                self.stats.installs += 1
+            if sent is not None and state.version > sent.base_version:
+                state.sent, state.sent_marks = None, None  # its round committed: nothing to replay
+                # Steps trained between the push and this install belong to the next push of this
+                # fragment: each step is counted once per fragment, however long the round took.
+                if marks is not None:
+                    state.tokens_mark, state.steps_mark = marks
+            state.bcast = None
+
+    def _rebase(self, state: FragmentState, index: int, msg: Bcast, values: torch.Tensor) -> bool:
+        """Overlap (DESIGN §3.3, Mix1): θ ← Θ + (θ − base), and Θ becomes the anchor. `base` is θ at the push
+        when Θ merged that push (the syncer flags it), else the old anchor: the progress Θ
+        already holds is dropped once, the rest is kept for the next push. True when Θ merged
+        this learner's push.
+
+        A Θ more than one version past the push's base followed commits this learner never saw,
+        and the flag speaks of the last of them only: the push counts as merged then, so at worst
+        it is dropped (as an overwrite drops it), never added twice."""
+        assert self.layout is not None and state.anchor is not None
+        sent = state.sent
+        merged = sent is not None and sent.base_version == state.version and (
+            (bool(msg.flags & BCAST_MERGED) and msg.round == sent.pull.round) or msg.version > sent.base_version + 1)
+        base = state.anchor
+        if merged:
+            assert sent is not None
+            base = state.anchor + self._as_merged(sent.delta)
+        fragment = self.layout.fragments[index]
+        ahead = self.gather(index).sub_(base)
+        if nonfinite_tensor(fragment, ahead) is not None:
+            ahead.zero_()  # training diverged here: Θ replaces the diverged values, as an overwrite does
+        self.store.install(fragment, ahead.add_(values), 0.0)
+        state.anchor = values
+        self.stats.rebases += int(merged)
+        return merged
+
+    def _as_merged(self, delta: torch.Tensor) -> torch.Tensor:
+        """The delta as the syncer decoded it: with a lossy push codec the rounding error stays in
+        θ − base and goes out with the next push (error feedback) instead of being lost."""
+        if self.codec.name == "f32":
+            return delta
+        wire = bytearray(self.codec.encoded_nbytes(delta.numel()))
+        self.codec.encode(delta, memoryview(wire))
+        out = torch.empty_like(delta)
+        self.codec.decode(memoryview(wire), out)
+        return out
+
+    def _install(self, index: int, values: torch.Tensor, *, alpha: float) -> None:
+        assert self.layout is not None
+        self.store.install(self.layout.fragments[index], values, alpha)
+        state = self.fragments[index]
+        state.anchor = values
+        state.tokens_mark = self.stats.tokens
+        state.steps_mark = self.stats.steps
+
+    def install_final(self) -> int:
+        """Install every fragment's final cut exactly; the syncer's round count."""
+        assert self.layout is not None and self.final_ready
+        finals = [f.final for f in self.fragments]
+        for index, final in enumerate(finals):  # all or nothing: check every cut first
+            assert final is not None
+            check_fragment_values(self.layout.fragments[index], final[1])
+        for index, final in enumerate(finals):
+            assert final is not None
+            self._install(index, final[1], alpha=0.0)
+            self.fragments[index].version = final[0].version
+        self.stats.final_installed = True
+        first = finals[0]
+        assert first is not None
+        return first[0].rounds
