@@ -166,7 +166,8 @@ def _fanout_section(args: argparse.Namespace, tmp: Path, key: bytes, key_file: P
                         raise RuntimeError(f"learner {lid} did not connect:\n{syncer.log_tail()}")
                     time.sleep(0.01)
         p = layout.num_fragments
-        for lr in learners:
+        # Learner 0 first: its pump answers the link's INIT request, which the initial cut waits on.
+        for lr in sorted(learners, key=lambda lr: lr.client.learner_id):
             lr.pump(lambda: len(lr.bcast_versions) == p and bool(lr.pulls), 120,  # noqa: B023 - called at once
                     f"learner {lr.client.learner_id}'s initial state and first PULL")
         for _ in range(args.rounds):
