@@ -142,7 +142,7 @@ def _probed_syncer(argv: list[str]) -> int:
     def on_decoded(self: Any, ev: Any) -> None:
         orig_on_decoded(self, ev)  # stores the decoded, checked delta as the round's answer
         t1 = time.time()
-        attempt = self.attempts.get(ev.msg.round)
+        attempt = self.rounds.attempt_of(ev.msg.round)
         accepted = attempt is not None and ev.learner_id in attempt.answers
         c0, c1 = checks[0] if checks else (t1, t1)
         stamp(ev="ingested", round=ev.msg.round, accepted=accepted, start=started.pop(ev.msg.round, t1),

@@ -31,8 +31,10 @@ from syncer.links import Carried, Decoded, InitProgress, Link, Phase, backend_id
 from syncer.merge import Segment, check_finite
 from syncer.outbox import Outbox
 from syncer.outer import ACCUM_KEY, COUNT_KEY, make_outer_optimizer
+from syncer.round_table import RoundTable
 from syncer.rounds import (
     Attempt,
+    RoundState,
     Verdict,
     attempt_quorum,
     decide_round,
@@ -120,9 +122,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         # HeLoCo's confidence compares against an averaged momentum; ours is a 1/(1−μ)-longer sum.
         self.heloco = (HelocoConfig(momentum_scale=1.0 - settings.outer_momentum)
                        if settings.delta_correction == "heloco" else None)
-        self.attempts: dict[int, Attempt] = {}  # open rounds, by round id
-        self.ready: dict[int, tuple[Attempt, str, dict[int, int]]] = {}  # decided, waiting to commit in order
-        self.parked: set[int] = set()  # retried rounds waiting for enough learners to relaunch
+        self.rounds = RoundTable()  # every round in flight and its state (round_table.py)
         self.carried: dict[int, dict[int, Carried]] = {}  # fragment -> learner -> late push
         self.step_s: dict[int, float] = {}  # ξ_step per learner (EMA of reported step times)
         self.sync_s = 0.0  # ξ_sync: EMA of merge + commit + broadcast time
@@ -179,9 +179,7 @@ class Coordinator(PushIntake, Outbox, Finale):
             except queue.Empty:
                 event = None
             try:
-                if event is not None:
-                    self._handle(event)
-                self._advance()
+                self.handle(event)
             except DurabilityLost as exc:
                 log.critical("%s", exc)
                 print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
@@ -201,13 +199,21 @@ class Coordinator(PushIntake, Outbox, Finale):
 
     def _wakeup(self) -> float:
         now = self.clock()
-        soon = [a.deadline for a in self.attempts.values()]
-        soon += [a.quorum_at + a.grace_s for a in self.attempts.values() if a.quorum_at is not None]
+        collecting = self.rounds.collecting()
+        soon = [a.deadline for a in collecting]
+        soon += [a.quorum_at + a.grace_s for a in collecting if a.quorum_at is not None]
         if self._last_launch is not None and self._last_wait_reason.startswith("throttled"):
             soon.append(now + 0.02)
         return max(0.005, min([0.25, *(t - now for t in soon)]))
 
-    def _handle(self, event: Any) -> None:
+    def handle(self, event: Any | None) -> None:
+        """One turn of the actor: take in `event` (None: only time passed), then move every round
+        on as far as the clock allows. Everything the syncer decides happens in here."""
+        if event is not None:
+            self._dispatch(event)
+        self._advance()
+
+    def _dispatch(self, event: Any) -> None:
         if isinstance(event, Joined):
             self._on_joined(event)
         elif isinstance(event, Left):
@@ -219,6 +225,8 @@ class Coordinator(PushIntake, Outbox, Finale):
                     self.consensus.forget(event.learner_id)
                 self._note_departure(link)
                 log.info("learner %d left (%s)", event.learner_id, event.reason)
+                self.tape.append({"event": "left", "learner": event.learner_id, "generation": event.generation,
+                                  "reason": event.reason})
         elif isinstance(event, Decoded):
             self._on_decoded(event)
         elif isinstance(event, Got):
@@ -425,28 +433,36 @@ class Coordinator(PushIntake, Outbox, Finale):
         if done:
             self._begin_finalizing(why)
             return
-        for r in sorted(self.attempts):
-            attempt = self.attempts[r]
+        for attempt in self.rounds.collecting():
+            r = attempt.round
             step_s = self._fleet_step_s(attempt.answers)
-            verdict, reason = decide_round(now, attempt, live, cfg=self.sched, step_s=step_s, sync_s=self.sync_s)
-            if verdict is Verdict.COMMIT:
-                del self.attempts[r]
-                self.ready[r] = (attempt, reason, live)
-            elif verdict is Verdict.RETRY:
-                log.warning("round %d attempt %d discarded: %s", r, attempt.attempt, reason)
-                self.tape.append({"event": "retry", "round": r, "attempt": attempt.attempt,
-                                  "fragment": attempt.fragment, "reason": reason, "answered": sorted(attempt.answers)})
-                del self.attempts[r]
-                self.parked.add(r)
-        for r in sorted(self.parked):  # a retry waits for a quorum of learners instead of spinning
-            if len(live) < self._quorum():
+            decision = decide_round(now, attempt, live, cfg=self.sched, step_s=step_s, sync_s=self.sync_s)
+            if decision.quorum_at is not None:
+                self.rounds.enter_grace(r, quorum_at=decision.quorum_at, grace_s=decision.grace_s,
+                                        reason=decision.reason)
+            if decision.verdict is Verdict.COMMIT:
+                self.rounds.close(r, decision.reason, live)
+            elif decision.verdict is Verdict.RETRY:
+                self._discard(attempt, decision.reason)
+        quorum = self._quorum()
+        for parked in self.rounds.in_state(RoundState.PARKED):  # a retry waits for a quorum of learners
+            if len(live) < quorum:
                 break
-            self.parked.discard(r)
-            self._launch(r, now, live)
-        while self.state.next_round in self.ready:  # commits strictly in round order
-            attempt, reason, seen_live = self.ready.pop(self.state.next_round)
-            self._commit(attempt, reason, seen_live)
+            self._launch(parked.round, now, live, f"relaunched: {len(live)} learners live, quorum {quorum}")
+        while True:  # commits strictly in round order
+            closed = self.rounds.entry(self.state.next_round)
+            if closed is None or closed.state is not RoundState.CLOSED:
+                break
+            assert closed.attempt is not None
+            self._commit(closed.attempt, closed.reason, closed.live)
         self._maybe_launch(now, live)
+
+    def _discard(self, attempt: Attempt, reason: str) -> None:
+        """The attempt is over without a commit: its round is parked, to be launched again."""
+        log.warning("round %d attempt %d discarded: %s", attempt.round, attempt.attempt, reason)
+        self.tape.append({"event": "retry", "round": attempt.round, "attempt": attempt.attempt,
+                          "fragment": attempt.fragment, "reason": reason, "answered": sorted(attempt.answers)})
+        self.rounds.park(attempt.round, reason)
 
     def _overflowed(self, attempt: Attempt, learner_id: int, largest: float) -> None:
         """A finite delta that would still have made the merged fragment Inf: left out, said."""
@@ -467,7 +483,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         assert self.state is not None and self.layout is not None
         depth = pipeline_depth(self.sched.pipeline, self.layout.num_fragments)
         interval = round_interval(self._fleet_step_s(live), self.layout.num_fragments, self.sched)
-        in_flight = len(self.attempts) + len(self.ready) + len(self.parked)
+        in_flight = len(self.rounds)
         go, reason = should_launch(now, cfg=self.sched, next_round=self.next_launch, in_flight=in_flight,
                                    depth=depth, eligible=len(live), quorum=self._quorum(),
                                    last_launch=self._last_launch, interval_s=interval)
@@ -477,18 +493,20 @@ class Coordinator(PushIntake, Outbox, Finale):
             self._last_wait_reason = reason
             return
         self._last_wait_reason = ""
-        self._launch(self.next_launch, now, live)
+        self._launch(self.next_launch, now, live, reason)
         self.next_launch += 1
 
-    def _launch(self, r: int, now: float, live: dict[int, int]) -> None:
+    def _launch(self, r: int, now: float, live: dict[int, int], reason: str) -> None:
         assert self.state is not None and self.layout is not None
         self._attempts += 1
         self._last_launch = now
         f = fragment_of_round(r, self.layout.num_fragments)
         version = self.state.versions[f]
-        self.attempts[r] = Attempt(round=r, attempt=self._attempts, fragment=f, version=version,
-                                   members=dict(live), quorum=self._quorum(), launched_at=now,
-                                   deadline=now + self.settings.round_timeout_s)
+        attempt = Attempt(round=r, attempt=self._attempts, fragment=f, version=version, members=dict(live),
+                          quorum=self._quorum(), launched_at=now, deadline=now + self.settings.round_timeout_s)
+        self.rounds.launch(attempt, reason)
+        self.tape.append({"event": "launch", "round": r, "attempt": attempt.attempt, "fragment": f,
+                          "version": version, "members": sorted(live), "quorum": attempt.quorum, "reason": reason})
         self._attach_carried(f)
         pull = Pull(r, self._attempts, f, version)
         for lid in live:
@@ -508,11 +526,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         for lid, largest in out.overflowed.items():
             self._overflowed(attempt, lid, largest)
         if not out.answers:  # nothing was written: the round goes round again
-            reason = f"every delta would overflow fragment {f} (learners {sorted(out.overflowed)})"
-            log.warning("round %d attempt %d discarded: %s", attempt.round, attempt.attempt, reason)
-            self.tape.append({"event": "retry", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
-                              "reason": reason, "answered": sorted(attempt.answers)})
-            self.parked.add(attempt.round)
+            self._discard(attempt, f"every delta would overflow fragment {f} (learners {sorted(out.overflowed)})")
             return
         self.faults.point("mid-merge")
         if self.state.outer_accum is not None:
@@ -521,6 +535,7 @@ class Coordinator(PushIntake, Outbox, Finale):
         answers, weights, grad_norm, merge_ms = out.answers, out.weights, out.outer_grad_norm, out.merge_ms
         self.state.versions[f] += 1
         self.state.next_round = attempt.round + 1
+        self.rounds.commit(attempt.round, reason)
         self.state.merged_by[f] = (attempt.round, sorted(a.learner_id for a in answers))
         for a in answers:
             key = ledger_key(a.learner_id, a.generation)

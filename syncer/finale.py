@@ -15,7 +15,7 @@ from typing import Any
 
 from syncer.checkpoint import CheckpointError, tokens_by_learner
 from syncer.links import Link, Phase
-from syncer.rounds import Attempt
+from syncer.round_table import RoundTable
 from syncer.snapshots import CheckpointWriter
 from syncer.tape import EventTape
 from yeto_core.faults import FAULT_SEND_WAIT_S, FaultInjector
@@ -37,9 +37,7 @@ class Finale:
     settings: SyncerSettings
     state: Any
     links: dict[int, Link]
-    attempts: dict[int, Attempt]
-    ready: dict[int, Any]
-    parked: set[int]
+    rounds: RoundTable
     tape: EventTape
     writer: CheckpointWriter | None
     phase: Phase
@@ -71,11 +69,10 @@ class Finale:
 
     def _begin_finalizing(self, reason: str, *, save: bool = True) -> None:
         assert self.state is not None
-        for a in [*self.attempts.values(), *(entry[0] for entry in self.ready.values())]:
-            self.tape.append({"event": "abandon", "round": a.round, "attempt": a.attempt, "reason": "finalizing"})
-        self.attempts.clear()
-        self.ready.clear()
-        self.parked.clear()
+        for entry in self.rounds.abandon_all("finalizing"):
+            if entry.attempt is not None:
+                self.tape.append({"event": "abandon", "round": entry.round, "attempt": entry.attempt.attempt,
+                                  "reason": "finalizing"})
         self.state.finalized = True
         if save:
             self._save_checkpoint(wait=True)  # durable before any FINAL goes out

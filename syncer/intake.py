@@ -17,7 +17,8 @@ import torch
 
 from syncer.commit import decode_delta, payload_problem
 from syncer.links import Carried, Decoded, Link
-from syncer.rounds import Answer, Attempt, PushFate, RoundState, SchedulerConfig, fragment_of_round, judge_push
+from syncer.round_table import RoundTable
+from syncer.rounds import Answer, PushFate, SchedulerConfig, fragment_of_round, judge_push
 from syncer.tape import EventTape
 from yeto_core.codecs import F32
 from yeto_core.faults import FaultInjector
@@ -33,9 +34,7 @@ class PushIntake:
     # Provided by the Coordinator.
     layout: Layout | None
     state: Any
-    attempts: dict[int, Attempt]
-    ready: dict[int, Any]
-    parked: set[int]
+    rounds: RoundTable
     carried: dict[int, dict[int, Carried]]
     step_s: dict[int, float]
     links: dict[int, Link]
@@ -105,7 +104,7 @@ class PushIntake:
             if link is not None and link.generation == ev.generation:
                 self._refuse_push(link, ev.msg, delta)
             return
-        attempt = self.attempts.get(ev.msg.round)
+        attempt = self.rounds.attempt_of(ev.msg.round)
         if attempt is None or attempt.attempt != ev.attempt:
             log.info("learner %d: push for round %d decoded after the attempt closed; dropped", ev.learner_id,
                      ev.msg.round)
@@ -116,18 +115,11 @@ class PushIntake:
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         assert self.state is not None and self.layout is not None
         r = msg.round
-        if r in self.attempts or r in self.parked:  # a parked round is open, its attempt retired: carry
-            state = RoundState.OPEN
-        elif r in self.ready:
-            state = RoundState.CLOSED
-        elif r < self.state.next_round:
-            state = RoundState.COMMITTED
-        else:
-            state = RoundState.UNLAUNCHED
+        state = self.rounds.state_of(r, self.state.next_round)
         return judge_push(learner_id=link.learner_id, generation=link.generation, round_id=r, attempt_id=msg.attempt,
                           fragment=msg.fragment, base_version=msg.base_version,
                           round_fragment=fragment_of_round(r, self.layout.num_fragments), round_state=state,
-                          attempt=self.attempts.get(r), version_now=self.state.versions[msg.fragment],
+                          attempt=self.rounds.attempt_of(r), version_now=self.state.versions[msg.fragment],
                           cfg=self.sched)
 
     def _refuse_push(self, link: Link, msg: Push, reason: str) -> None:
@@ -138,7 +130,7 @@ class PushIntake:
     def _attach_carried(self, fragment: int) -> None:
         """Carried pushes join the fragment's open round (a fresh answer from the same learner wins)."""
         assert self.layout is not None
-        attempt = next((a for a in self.attempts.values() if a.fragment == fragment), None)
+        attempt = self.rounds.collecting_on(fragment)
         held = self.carried.get(fragment)
         if attempt is None or not held:
             return

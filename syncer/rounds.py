@@ -80,6 +80,17 @@ class Verdict(enum.Enum):
     RETRY = "retry"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do with an attempt, and why. `quorum_at`/`grace_s` are set when this decision is
+    the first to see quorum: the caller records them on the attempt (its round enters GRACE)."""
+
+    verdict: Verdict
+    reason: str
+    quorum_at: float | None = None
+    grace_s: float = 0.0
+
+
 def attempt_quorum(quorum: int, learners: int, finished: int) -> int:
     """K, lowered only for learners that finished training on purpose (never for failures)."""
     return max(1, min(quorum, learners - finished))
@@ -142,31 +153,32 @@ def should_launch(
 def decide_round(
     now: float, attempt: Attempt, live: dict[int, int], *, cfg: SchedulerConfig, step_s: float | None,
     sync_s: float,
-) -> tuple[Verdict, str]:
-    """Decide an attempt. `live` maps learner id -> generation of learners still connected and
-    still training; a member is pending only while its frozen generation is live and it has no
-    fresh answer. May set `attempt.quorum_at` / `attempt.grace_s` the first time quorum is met."""
+) -> Decision:
+    """Decide an attempt, changing nothing. `live` maps learner id -> generation of learners still
+    connected and still training; a member is pending only while its frozen generation is live
+    and it has no fresh answer."""
     counted = attempt.counted(cfg.carry_counts)
     pending = [lid for lid, gen in attempt.members.items()
                if live.get(lid) == gen and (lid not in attempt.answers or attempt.answers[lid].carried)]
     total = len(attempt.members)
     if counted >= attempt.quorum:
         if not pending:
-            return Verdict.COMMIT, f"{counted} of {total} members answered (quorum {attempt.quorum})"
-        if attempt.quorum_at is None:
-            attempt.quorum_at = now
-            attempt.grace_s, _ = grace_window(step_s=step_s, quorum_s=now - attempt.launched_at, sync_s=sync_s,
-                                              cfg=cfg)
-        if now >= attempt.quorum_at + attempt.grace_s:
-            return Verdict.COMMIT, (f"quorum {attempt.quorum} reached with {counted} of {total} members; "
-                                    f"grace {attempt.grace_s * 1000:.0f} ms spent, {len(pending)} not waited for")
-        return Verdict.WAIT, f"in grace: {len(pending)} stragglers for {attempt.grace_s * 1000:.0f} ms"
+            return Decision(Verdict.COMMIT, f"{counted} of {total} members answered (quorum {attempt.quorum})")
+        quorum_at, grace_s, first = attempt.quorum_at, attempt.grace_s, attempt.quorum_at is None
+        if quorum_at is None:
+            quorum_at = now
+            grace_s, _ = grace_window(step_s=step_s, quorum_s=now - attempt.launched_at, sync_s=sync_s, cfg=cfg)
+        new = {"quorum_at": quorum_at, "grace_s": grace_s} if first else {}
+        if now >= quorum_at + grace_s:
+            return Decision(Verdict.COMMIT, f"quorum {attempt.quorum} reached with {counted} of {total} members; "
+                            f"grace {grace_s * 1000:.0f} ms spent, {len(pending)} not waited for", **new)
+        return Decision(Verdict.WAIT, f"in grace: {len(pending)} stragglers for {grace_s * 1000:.0f} ms", **new)
     if counted + len(pending) < attempt.quorum:
-        return Verdict.RETRY, (f"quorum {attempt.quorum} unreachable: {counted} answered, "
-                               f"{len(pending)} of {total} members still connected")
+        return Decision(Verdict.RETRY, f"quorum {attempt.quorum} unreachable: {counted} answered, "
+                        f"{len(pending)} of {total} members still connected")
     if now >= attempt.deadline:
-        return Verdict.RETRY, f"deadline passed with {counted} of quorum {attempt.quorum} answers"
-    return Verdict.WAIT, f"{counted} of quorum {attempt.quorum} answered"
+        return Decision(Verdict.RETRY, f"deadline passed with {counted} of quorum {attempt.quorum} answers")
+    return Decision(Verdict.WAIT, f"{counted} of quorum {attempt.quorum} answered")
 
 
 class PushFate(enum.Enum):
@@ -176,10 +188,15 @@ class PushFate(enum.Enum):
 
 
 class RoundState(enum.Enum):
+    """Where a round is in its lifecycle (`round_table.py` holds the moves between states)."""
+
     UNLAUNCHED = "unlaunched"
-    OPEN = "open"  # an attempt is collecting answers
+    OPEN = "open"  # an attempt collects answers, below quorum
+    GRACE = "grace"  # quorum reached: waiting out the grace window for stragglers
+    PARKED = "parked"  # its attempt was discarded; relaunched once a quorum of learners is live
     CLOSED = "closed"  # decided, waiting for the rounds before it to commit
     COMMITTED = "committed"
+    ABANDONED = "abandoned"  # the run finalized before it committed
 
 
 def judge_push(
@@ -196,16 +213,19 @@ def judge_push(
     version_now: int,
     cfg: SchedulerConfig,
 ) -> tuple[PushFate, str]:
-    """What to do with a push (DESIGN §4.3, §4.6). `attempt` is the open attempt of the push's round
-    (when `round_state` is OPEN); `version_now` the fragment's current global version."""
+    """What to do with a push (DESIGN §4.3, §4.6). `attempt` is the attempt of the push's round
+    (when `round_state` is OPEN or GRACE); `version_now` the fragment's current global version."""
     if fragment != round_fragment:
         return PushFate.REFUSE, f"round {round_id} merges fragment {round_fragment}, not {fragment}"
     if round_state is RoundState.UNLAUNCHED:
         return PushFate.REFUSE, f"round {round_id} was never launched"
+    if round_state is RoundState.ABANDONED:
+        return PushFate.REFUSE, f"round {round_id} was abandoned: the run is finalizing"
     if base_version > version_now:
         return PushFate.REFUSE, (f"base version {base_version} of fragment {fragment} is ahead of the global "
                                  f"version {version_now}")
-    if round_state is RoundState.OPEN and attempt is not None and attempt.attempt == attempt_id:
+    collecting = round_state in (RoundState.OPEN, RoundState.GRACE)
+    if collecting and attempt is not None and attempt.attempt == attempt_id:
         if attempt.members.get(learner_id) != generation:
             return PushFate.REFUSE, (f"learner {learner_id} (generation {generation}) is not a member of round "
                                      f"{round_id} attempt {attempt_id}")
@@ -216,7 +236,7 @@ def judge_push(
             return PushFate.REFUSE, (f"round {round_id} merges version {attempt.version} of fragment {fragment}; "
                                      f"the push is based on version {base_version}")
         return PushFate.ACCEPT, "answer"
-    # Late: a discarded attempt of an open round, or a round already closed or committed. It
+    # Late: a discarded attempt of an open or parked round, or a round closed or committed. It
     # joins the fragment's next merge, whose version is one higher if this round still commits.
     target = version_now + (1 if round_state is RoundState.CLOSED else 0)
     lag = target - base_version

@@ -44,7 +44,14 @@ def attempt(members: dict[int, int], quorum: int, answered: tuple[int, ...] = ()
 
 def decide(now: float, a: Attempt, live: dict[int, int], cfg: SchedulerConfig = NO_GRACE,
            step_s: float | None = None, sync_s: float = 0.0) -> tuple[Verdict, str]:
-    return decide_round(now, a, live, cfg=cfg, step_s=step_s, sync_s=sync_s)
+    """`decide_round`, with its first sight of quorum recorded on the attempt as the coordinator does."""
+    before = dataclasses.replace(a)
+    d = decide_round(now, a, live, cfg=cfg, step_s=step_s, sync_s=sync_s)
+    assert a == before, "decide_round changed the attempt"
+    if d.quorum_at is not None:
+        assert a.quorum_at is None, "quorum reported as new twice"
+        a.quorum_at, a.grace_s = d.quorum_at, d.grace_s
+    return d.verdict, d.reason
 
 
 # -- quorum and frozen rendezvous --------------------------------------------------------------
