@@ -90,10 +90,11 @@ def _probed_syncer(argv: list[str]) -> int:
     stdout after a PUSH was fully reassembled, after it was stored, and at the initial cut,
     never while a transfer is being received.
     """
-    from syncer import commit as cm
     from syncer import coordinator as co
+    from syncer import intake as it
+    from syncer import payload as pl
     from syncer.cli import main
-    from syncer.server import Got
+    from syncer.events import Got
     from yeto_core.wire import transport
     from yeto_core.wire.messages import Push
 
@@ -105,8 +106,8 @@ def _probed_syncer(argv: list[str]) -> int:
     checks: list[tuple[float, float]] = []
     orig_get = transport.Reassembler._get
     orig_post = co.Coordinator.post
-    orig_on_push = co.Coordinator._on_push
-    orig_on_decoded = co.Coordinator._on_decoded
+    orig_on_push = it.PushIntake.on_push
+    orig_on_decoded = it.PushIntake.on_decoded
     orig_check_finite = co.check_finite
 
     def get(self: Any, transfer: int, total: int) -> Any:
@@ -142,7 +143,7 @@ def _probed_syncer(argv: list[str]) -> int:
     def on_decoded(self: Any, ev: Any) -> None:
         orig_on_decoded(self, ev)  # stores the decoded, checked delta as the round's answer
         t1 = time.time()
-        attempt = self.rounds.attempt_of(ev.msg.round)
+        attempt = self.shared.rounds.attempt_of(ev.msg.round)
         accepted = attempt is not None and ev.learner_id in attempt.answers
         c0, c1 = checks[0] if checks else (t1, t1)
         stamp(ev="ingested", round=ev.msg.round, accepted=accepted, start=started.pop(ev.msg.round, t1),
@@ -186,10 +187,10 @@ def _probed_syncer(argv: list[str]) -> int:
     co.Coordinator._initial_cut = initial_cut  # type: ignore[method-assign]
     transport.Reassembler._get = get  # type: ignore[method-assign]
     co.Coordinator.post = post  # type: ignore[method-assign]
-    co.Coordinator._on_push = on_push  # type: ignore[method-assign]
-    co.Coordinator._on_decoded = on_decoded  # type: ignore[method-assign]
+    it.PushIntake.on_push = on_push  # type: ignore[method-assign]
+    it.PushIntake.on_decoded = on_decoded  # type: ignore[method-assign]
     co.check_finite = check_finite  # type: ignore[assignment]  # INIT payloads
-    cm.check_finite = check_finite  # type: ignore[assignment]  # PUSH payloads
+    pl.check_finite = check_finite  # type: ignore[assignment]  # PUSH payloads
     return main(argv)
 
 

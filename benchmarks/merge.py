@@ -5,7 +5,7 @@
 
 For each learner count it times, in one process and one after the other:
 
-- **merge**: `syncer.commit.merge_round` as the coordinator calls it (a reused workspace, RDA on
+- **merge**: `syncer.round_merge.merge_round` as the coordinator calls it (a reused workspace, RDA on
   every tensor but one plain-averaged "embedding" tensor, Nesterov 0.5/0.5), which includes the
   output screen;
 - **screen**: the screen's own work on the same fragment (the L2 norms of params and momentum and
@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.wire import parse_count
-from syncer.commit import MergeWorkspace, merge_round
 from syncer.merge import Segment, accurate_norm
 from syncer.outer import Nesterov
+from syncer.round_merge import MergeWorkspace, merge_round
 from syncer.rounds import Answer
 
 TENSOR = 1 << 20  # values per RDA tensor; the rest of the fragment is one plain-averaged tensor

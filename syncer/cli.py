@@ -16,10 +16,10 @@ import torch
 from pydantic.fields import FieldInfo
 
 from syncer.checkpoint import CheckpointError, SyncerState, last_generations, load_checkpoint
-from syncer.commit import payload_screen
 from syncer.coordinator import Coordinator
 from syncer.gate import default_cap
 from syncer.links import backend_id
+from syncer.payload import payload_screen
 from syncer.server import SyncerServer
 from syncer.tape import EventTape
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings

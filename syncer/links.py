@@ -1,13 +1,10 @@
-"""The coordinator's vocabulary: its phases, its view of a learner's link, the events it sends
-itself, and how settings become scheduler config and a merge-backend id."""
+"""The coordinator's vocabulary: its phases, its view of a learner's link, a carried push, and how
+settings become scheduler config and a merge-backend id."""
 
 from __future__ import annotations
 
 import enum
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import torch
 
 from syncer.rounds import SchedulerConfig
 from yeto_core.codecs import F32, Codec
@@ -50,17 +47,6 @@ class Link:
 
 
 @dataclass(frozen=True)
-class Decoded:
-    """A push's delta (or the reason it is unusable), back from the decode pool."""
-
-    learner_id: int
-    generation: int
-    attempt: int
-    msg: Push
-    future: Future[torch.Tensor | str]
-
-
-@dataclass(frozen=True)
 class Carried:
     """A late push waiting, still encoded, for its fragment's next round."""
 
@@ -68,7 +54,7 @@ class Carried:
     payload: memoryview
     generation: int
     codec: Codec
-    screened: bool | None = None  # the transport's finiteness verdict (`commit.payload_screen`)
+    screened: bool | None = None  # the transport's finiteness verdict (`payload.payload_screen`)
 
 
 def scheduler_config(s: SyncerSettings) -> SchedulerConfig:

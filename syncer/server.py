@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from syncer.events import Got, Joined, Left
 from syncer.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, BurstLog, HandshakeGate, Unauthenticated
 from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
 from yeto_core.faults import NO_FAULTS, FaultInjector
@@ -37,7 +38,6 @@ from yeto_core.wire.messages import (
     Error,
     Hello,
     Manifest,
-    Message,
     Welcome,
 )
 from yeto_core.wire.transport import ConnectionGroup, Screen, Stream, tune_socket
@@ -48,36 +48,6 @@ MAX_PUSH_BLOCK = 1 << 20
 MAX_PROBES = 64
 PROBE_TIMEOUT_S = 300.0
 HOUSEKEEPING_S = 0.25  # how often the accept loop cuts late handshakes and expires pending groups
-
-
-@dataclasses.dataclass(frozen=True)
-class Joined:
-    learner_id: int
-    generation: int
-    group: ConnectionGroup
-    fingerprint: bytes
-    wire_dtype: int
-    manifest: Manifest | None
-    flags: int = 0
-    push_block: int = 0
-    instance: bytes = b""
-    peer: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Got:
-    learner_id: int
-    generation: int
-    msg: Message
-    payload: memoryview | None
-    screened: bool | None = None  # the screen's verdict on a bulk payload, if it screened it
-
-
-@dataclasses.dataclass(frozen=True)
-class Left:
-    learner_id: int
-    generation: int
-    reason: str
 
 
 @dataclasses.dataclass
@@ -125,7 +95,7 @@ class SyncerServer:
     ) -> None:
         self._key = key
         self._faults = faults  # passed to every connection group (the mid-stripe point)
-        self._screen = screen  # checks bulk payloads chunk by chunk as they land (`commit.payload_screen`)
+        self._screen = screen  # checks bulk payloads chunk by chunk as they land (`payload.payload_screen`)
         self._schedule = schedule
         self._stall_timeout_s = stall_timeout_s
         self._num_fragments = num_fragments

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from syncer.coordinator import Coordinator
+from syncer.events import Got, Joined, Left
 from syncer.rounds import RoundState
-from syncer.server import Got, Joined, Left
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings

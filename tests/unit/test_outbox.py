@@ -16,15 +16,12 @@ pytestmark = pytest.mark.unit
 
 
 def outbox(*params: torch.Tensor) -> Outbox:
-    box = Outbox()
-    box.state = SimpleNamespace(params=list(params))
-    box._in_flight = {}
-    return box
+    return Outbox(SimpleNamespace(state=SimpleNamespace(params=list(params))))  # type: ignore[arg-type]
 
 
 def test_fragment_bytes_are_the_parameters_own_memory() -> None:
     params = torch.randn(1 << 16)
-    out = outbox(params)._fragment_bytes(0)
+    out = outbox(params).fragment_bytes(0)
     assert np.shares_memory(np.frombuffer(out, dtype=np.float32), params.numpy())
     assert torch.equal(torch.frombuffer(out, dtype=torch.float32), params)
 
@@ -32,11 +29,11 @@ def test_fragment_bytes_are_the_parameters_own_memory() -> None:
 def test_a_commit_during_a_send_writes_a_copy_and_the_send_keeps_the_old_values() -> None:
     params = torch.randn(4, 1 << 14)
     box = outbox(params)
-    sent = box._sending(0, SendTicket(3))._left  # three chunks still to go
-    out = box._fragment_bytes(0)
+    sent = box.sending(0, SendTicket(3))._left  # three chunks still to go
+    out = box.fragment_bytes(0)
     committed = params.clone()
-    box._before_write(0)
-    moved = box.state.params[0]
+    box.before_write(0)
+    moved = box.shared.state.params[0]
     assert moved is not params and moved.shape == params.shape and torch.equal(moved, committed)
     moved.add_(1.0)  # the merge writes the fragment in place
     assert sent == 3 and torch.equal(torch.frombuffer(out, dtype=torch.float32), committed.reshape(-1))
@@ -45,14 +42,14 @@ def test_a_commit_during_a_send_writes_a_copy_and_the_send_keeps_the_old_values(
 def test_no_copy_once_every_send_is_done() -> None:
     params = torch.randn(1 << 14)
     box = outbox(params)
-    ticket = box._sending(0, SendTicket(1))
-    box._fragment_bytes(0)
+    ticket = box.sending(0, SendTicket(1))
+    box.fragment_bytes(0)
     ticket.chunk_sent()
-    box._before_write(0)
-    assert box.state.params[0] is params
-    box._before_write(0)  # nothing tracked any more
-    assert box.state.params[0] is params
+    box.before_write(0)
+    assert box.shared.state.params[0] is params
+    box.before_write(0)  # nothing tracked any more
+    assert box.shared.state.params[0] is params
 
 
 def test_an_empty_fragment_sends_no_bytes() -> None:
-    assert len(outbox(torch.empty(0))._fragment_bytes(0)) == 0
+    assert len(outbox(torch.empty(0)).fragment_bytes(0)) == 0

@@ -1,20 +1,14 @@
-"""One round's merge (syncer/commit.py) against the pure pieces it composes."""
+"""One round's merge (syncer/round_merge.py) and payload checks (syncer/payload.py) against the pure
+pieces they compose."""
 
 import pytest
 import torch
 
-from syncer.commit import (
-    MergeWorkspace,
-    decode_delta,
-    finite_f32_part,
-    merge_round,
-    payload_problem,
-    payload_screen,
-    screen_step,
-)
 from syncer.correction import HelocoConfig
 from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
 from syncer.outer import Nesterov, make_outer_optimizer
+from syncer.payload import decode_delta, finite_f32_part, payload_problem, payload_screen
+from syncer.round_merge import MergeWorkspace, merge_round, screen_step
 from syncer.rounds import Answer
 from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout

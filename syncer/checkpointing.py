@@ -1,0 +1,77 @@
+"""Checkpoint writes as the coordinator asks for them (DESIGN §6.2): durable or stop.
+
+A failed write (this one, or the background write before it) is retried synchronously, with
+backoff, while the coordinator holds every round: nothing is committed or broadcast meanwhile,
+and the learners train on locally. The previous file stays valid throughout. Past
+`checkpoint_retry_s` the syncer stops with exit code 4 (`DurabilityLost`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from syncer.checkpoint import CheckpointError
+from syncer.run_state import RunState
+from syncer.snapshots import CheckpointWriter
+
+log = logging.getLogger("yeto.syncer")
+
+PROGRESS_BAR_BYTES = 256 << 20
+DURABILITY_EXIT_CODE = 4
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
+
+
+class DurabilityLost(Exception):
+    """No checkpoint could be written within `checkpoint_retry_s`: the syncer stops."""
+
+
+class Checkpointing:
+    def __init__(self, run: RunState) -> None:
+        self.shared = run
+        path = run.settings.checkpoint
+        self.writer = (CheckpointWriter(path, background=run.settings.background_checkpoint,
+                                        progress=self.show_progress, faults=run.faults)
+                       if path is not None else None)
+
+    def show_progress(self) -> bool:
+        # A bar only where someone watches, or where the write takes long enough to wonder about.
+        assert self.shared.state is not None
+        return sum(t.numel() for t in self.shared.state.params) * 8 > PROGRESS_BAR_BYTES or sys.stderr.isatty()
+
+    def save(self, *, wait: bool = False) -> float | None:
+        """Checkpoint the committed state; returns how long the coordinator was held (ms).
+
+        Durable or stop. A failed write (this one, or the background write before it) is retried
+        synchronously, with backoff, while the coordinator holds every round: nothing is
+        committed or broadcast meanwhile, and the learners train on locally. The previous file
+        stays valid throughout. Past `checkpoint_retry_s` it raises `DurabilityLost`."""
+        if self.writer is None or self.shared.state is None:
+            return None
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.shared.settings.checkpoint_retry_s
+        delay, failures = RETRY_FIRST_S, 0
+        while True:
+            try:
+                held = self.writer.save(self.shared.state, wait=wait)
+            except CheckpointError as exc:
+                failures += 1
+                self.shared.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    retry = self.shared.settings.checkpoint_retry_s
+                    raise DurabilityLost(f"{exc}; no checkpoint could be written in {retry:g} s "
+                                         "(--checkpoint-retry-s), so the syncer stops: nothing after the previous "
+                                         "checkpoint is durable") from exc
+                log.error("%s; holding every round and retrying in %.1f s (learners train on locally)", exc,
+                          min(delay, left))
+                time.sleep(min(delay, left))
+                delay, wait = min(2 * delay, RETRY_MAX_S), True  # retries write synchronously
+                continue
+            if failures:
+                log.warning("checkpoint %s written after %d failed attempt%s; rounds go on", self.writer.path,
+                            failures, "" if failures == 1 else "s")
+                self.shared.tape.append({"event": "checkpoint_recovered", "failures": failures})
+                return (time.perf_counter() - t0) * 1000
+            return held
