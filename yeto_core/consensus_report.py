@@ -22,6 +22,14 @@ from yeto_core.wire.messages import UNKNOWN, Consensus, Message, ProbeReport
 log = logging.getLogger("yeto.consensus")
 
 Probe = Callable[[], torch.Tensor]  # logits [T, V] of the island's model on the fixed probe batch
+PROBE_SEED = 0x7965746F  # b"yeto": the same batch on every island, whatever the trainer's seed
+
+
+def probe_ids(vocab: int, tokens: int, seed: int = PROBE_SEED) -> torch.Tensor:
+    """The fixed probe batch, [1, tokens], from a private generator (the global RNG is untouched):
+    every plugin's probe feeds its model these ids, so islands of any trainer compare alike."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, tokens), generator=generator)
 
 
 class ConsensusReporter:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ROOT, LoopbackRelay, Procs, checkpoint_params, start_syncer, syncer_exit_code, wait_until
 
 pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
@@ -63,6 +64,22 @@ def test_global_names_and_masters_read_and_written_bit_for_bit(config: str,
         assert r["moments"] > 0  # Adam moments existed and were compared bit for bit
     losses = {r["loss"] for r in ranks if r["loss"] is not None}
     assert len(losses) == 1 and all(x == x and x < 1e4 for x in losses), losses  # one finite loss: trains on
+
+
+@pytest.mark.timeout(240)
+def test_the_consensus_probe_sees_the_same_logits_whatever_the_layout() -> None:
+    """The probe's forward pass runs through megatron's pipeline schedule and gathers the
+    vocabulary-split logits: TP2×PP2 with tied embeddings gives rank 0 what one rank computes."""
+    spec = {"bf16": False, "tied_embeddings": True}
+    (single,) = results(run_ranks(WORKER, 1, args=["probe", json.dumps(spec)], timeout_s=150))
+    ranks = results(run_ranks(WORKER, 4, args=["probe", json.dumps({**spec, "tp": 2, "pp": 2})], timeout_s=180))
+    lead = next(r for r in ranks if r["rank"] == 0)
+    assert lead["shape"] == single["shape"] == [12, 256]
+    assert all(r["shape"] == [0] for r in ranks if r["rank"] != 0)
+    assert all(r["training"] == [True] for r in [*ranks, single])  # the trainer's mode is restored
+    got, want = torch.tensor(lead["logits"]), torch.tensor(single["logits"])
+    assert want.abs().max() > 0.1 and want.std() > 0.01  # real logits, not a tensor of zeros
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
 
 
 @pytest.mark.timeout(120)
@@ -146,16 +163,22 @@ def test_two_islands_of_different_layouts_end_with_the_syncers_final_weights(pro
                           extra=["--sync-interval-steps", "4"])
     # The same model as TP2×DP2 (4 ranks) and as PP2 (2 ranks): one global description. Island B
     # runs through the ms-swift callback, driven by a loop with swift's trainer attributes.
-    a = Island(TP2_DP2, 4, island_env(syncer.address, key_file, 0), steps=400)
-    b = Island({"pp": 2}, 2, island_env(syncer.address, key_file, 1), steps=400, mode="swift")
+    probing = {"YETO_DILOCO_CONSENSUS_EVERY": "1"}  # every island probes after each install
+    a = Island(TP2_DP2, 4, {**island_env(syncer.address, key_file, 0), **probing}, steps=400)
+    b = Island({"pp": 2}, 2, {**island_env(syncer.address, key_file, 1), **probing}, steps=400, mode="swift")
     a.start()
     b.start()
     ranks_a, ranks_b = a.outcome(240), b.outcome(60)
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
     assert syncer.checkpoint is not None
     check_final([ranks_a, ranks_b], syncer.checkpoint)
-    assert len(syncer.commits()) >= 6
+    commits = syncer.commits()
+    assert len(commits) >= 6
     assert ranks_a[0]["pushes"] >= 2 and ranks_b[0]["pushes"] >= 2
+    # Both islands' consensus probes (sharded forward passes) reached the syncer and were compared.
+    compared = [c for c in commits if c.get("consensus_learners") == [0, 1]]
+    assert compared and all(0.0 <= c["consensus_js"] <= 1.0 for c in compared), [
+        (c["round"], c.get("consensus_learners"), c.get("consensus_js")) for c in commits]
     for ranks in (ranks_a, ranks_b):
         stopped = {r["stopped_at"] for r in ranks}
         assert len(stopped) == 1 and None not in stopped, stopped  # every rank stopped at the same step

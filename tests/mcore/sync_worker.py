@@ -5,6 +5,7 @@
     python sync_worker.py error   SPEC_JSON                   # a rank-0 failure raises on every rank
     python sync_worker.py train   SPEC_JSON STEPS             # a learner against the syncer in YETO_DILOCO_*
     python sync_worker.py swift   SPEC_JSON STEPS             # the same through the ms-swift callback
+    python sync_worker.py probe   SPEC_JSON                   # the consensus probe's logits on given weights
 
 Every mode reports a JSON dict through `launch.report`.
 """
@@ -23,6 +24,7 @@ from islands import IslandSpec, init_island, rank_info, teardown
 from launch import report
 
 from yeto_plugins.megatron.masters import sub_optimizers
+from yeto_plugins.megatron.probe import megatron_logit_probe
 from yeto_plugins.megatron.store import IslandError, Slot, shard_of
 from yeto_plugins.megatron.sync import MegatronDiLoCoSync
 
@@ -152,6 +154,23 @@ def mode_train(text: str, steps: int) -> None:
     teardown()
 
 
+def mode_probe(text: str) -> None:
+    """Every rank runs the probe together on weights set by global name (the same whatever the
+    layout); rank 0 reports the logits it got."""
+    island = init_island(spec_of(text))
+    sync = MegatronDiLoCoSync(island.model_chunks, island.optimizer, **OFFLINE)
+    written = {name: value * 0.3 for name, value in reference_values(sync).items()}
+    sync.write_all(written if sync.rank == 0 else None)
+    probe = megatron_logit_probe(island.model_chunks, sync.store.group, tokens=12)
+    assert probe is not None
+    with torch.no_grad():
+        logits = probe()
+    report({"shape": list(logits.shape), "logits": logits.tolist() if sync.rank == 0 else None,
+            "training": [chunk.training for chunk in island.model_chunks], **rank_info()})
+    sync.close()
+    teardown()
+
+
 class SwiftLikeTrainer:
     """The attributes swift's Megatron trainer gives its callbacks, around a real island, and
     its step loop (swift/megatron/trainers/base.py): on_step_begin, train_step, the scheduler
@@ -219,5 +238,7 @@ if __name__ == "__main__":
         mode_train(rest[0], int(rest[1]))
     elif mode == "swift":
         mode_swift(rest[0], int(rest[1]))
+    elif mode == "probe":
+        mode_probe(rest[0])
     else:
         raise SystemExit(f"unknown mode {mode}")

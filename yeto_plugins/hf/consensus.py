@@ -14,18 +14,10 @@ from typing import Any
 
 import torch
 
+from yeto_core.consensus_report import probe_ids
 from yeto_core.learner import LearnerStats
 
 log = logging.getLogger("yeto.hf")
-
-PROBE_SEED = 0x7965746F  # b"yeto": the same batch on every island, whatever the trainer's seed
-
-
-def probe_ids(vocab: int, tokens: int, seed: int = PROBE_SEED) -> torch.Tensor:
-    """The fixed probe batch, [1, tokens], from a private generator (the global RNG is untouched)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (1, tokens), generator=generator)
-
 
 def logit_probe(model: torch.nn.Module, tokens: int) -> Callable[[], torch.Tensor] | None:
     """A callable returning the model's logits [T, V] on the fixed probe batch; None (with a

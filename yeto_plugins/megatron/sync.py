@@ -29,6 +29,7 @@ from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.megatron.names import EMBEDDING
+from yeto_plugins.megatron.probe import megatron_logit_probe
 from yeto_plugins.megatron.store import IslandStore
 
 log = logging.getLogger("yeto.megatron")
@@ -45,7 +46,10 @@ class MegatronDiLoCoSync:
                                  timeout_s=self.settings.collective_timeout_s,
                                  heartbeat_s=min(5.0, self.settings.collective_timeout_s / 4))
         self.rank = self.store.rank
-        self.island = IslandSession(self.settings, store=self.store, embedding_names={EMBEDDING})
+        # Built on every rank (the same way): the probe is a collective of the whole island.
+        probe = (megatron_logit_probe(chunks, self.store.group, self.settings.consensus_tokens)
+                 if self.settings.consensus_every else None)
+        self.island = IslandSession(self.settings, store=self.store, embedding_names={EMBEDDING}, probe=probe)
         self.session: LearnerSession | None = self.island.session  # rank 0 only
 
     @property
