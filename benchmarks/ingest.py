@@ -331,14 +331,13 @@ class Learner:
 
     def __init__(self, port: int, key: bytes, layout: Any, init: list[Any], streams: int, learner_id: int = 0) -> None:
         from yeto_core.client import SyncerClient
+        from yeto_core.sections import LinkSettings
 
         self.layout = layout
         self.init_started: float | None = None
         self.sent_at: dict[int, float] = {}
-        client = SyncerClient(
-            address=("127.0.0.1", port), key=key, learner_id=learner_id, data_streams=streams,
-            sends_init=learner_id == 0,
-        )
+        link = LinkSettings(address=("127.0.0.1", port), key=key, learner_id=learner_id, data_streams=streams)
+        client = SyncerClient(link, sends_init=learner_id == 0)
         self.init = init
         orig_send_init, orig_send_push = client._send_init, client._send_push
         self.encode_span: dict[int, tuple[float, float]] = {}

@@ -99,7 +99,7 @@ def load_state(settings: SyncerSettings, device: torch.device) -> SyncerState | 
     if not path.exists():
         log.info("no checkpoint at %s yet; starting fresh", path)
         return None
-    state = load_checkpoint(path, expect_backend=backend_id(settings))
+    state = load_checkpoint(path, expect_backend=backend_id(settings.merging))
     if state.num_fragments != settings.fragments or state.pattern != settings.pattern:
         raise SettingsError(f"checkpoint {path} has {state.num_fragments} {state.pattern} fragments; the syncer "
                             f"was started with --fragments {settings.fragments} --pattern {settings.pattern}")

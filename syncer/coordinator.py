@@ -33,7 +33,7 @@ from syncer.intake import PushIntake
 from syncer.links import InitProgress, Link, Phase, backend_id, id_conflict, scheduler_config
 from syncer.merge import Segment, check_finite
 from syncer.outbox import Outbox
-from syncer.outer import ACCUM_KEY, COUNT_KEY, make_outer_optimizer
+from syncer.outer import ACCUM_KEY, COUNT_KEY, outer_optimizer
 from syncer.round_merge import MergeWorkspace, merge_round
 from syncer.round_table import RoundTable
 from syncer.rounds import (
@@ -117,12 +117,12 @@ class Coordinator:
         self.checkpoints = Checkpointing(self.shared)
         self.intake = PushIntake(self.shared, sched=self.sched, device=device, decoders=self._decoders, post=self.post)
         self.finale = Finale(self.shared, self.outbox, self.checkpoints)
-        self.outer = make_outer_optimizer(settings.outer_optimizer, lr=settings.outer_lr,
-                                          momentum=settings.outer_momentum, delay=settings.outer_delay)
+        self.merging = settings.merging  # what every round's merge is made of
+        self.outer = outer_optimizer(self.merging)
         self.outer_state: list[dict[str, Any]] = []  # per fragment, kept in the checkpoint
         # HeLoCo's confidence compares against an averaged momentum; ours is a 1/(1−μ)-longer sum.
-        self.heloco = (HelocoConfig(momentum_scale=1.0 - settings.outer_momentum)
-                       if settings.delta_correction == "heloco" else None)
+        self.heloco = (HelocoConfig(momentum_scale=1.0 - self.merging.outer_momentum)
+                       if self.merging.delta_correction == "heloco" else None)
         self.sync_s = 0.0  # ξ_sync: EMA of merge + commit + broadcast time
         self._last_launch: float | None = None
         self._attempts = 0
@@ -295,14 +295,14 @@ class Coordinator:
         # INIT supplies every fragment's params (adopting its buffer); only the momentum starts at zero
         params = [torch.empty(0, dtype=torch.float32, device=self.device) for _ in layout.fragments]
         momentum = [lazy_zeros(f.numel, self.device) for f in layout.fragments]
-        delayed = self.settings.outer_optimizer == "delayed-nesterov"
+        delayed = self.merging.outer_optimizer == "delayed-nesterov"
         self.shared.state = SyncerState(
             specs=list(layout.specs), num_fragments=p, pattern=layout.pattern, fingerprint=layout.fingerprint,
-            backend=backend_id(self.settings), params=params, momentum=momentum, versions=[0] * p,
+            backend=backend_id(self.merging), params=params, momentum=momentum, versions=[0] * p,
             next_round=0, ledger={}, finalized=False,
             outer_accum=[lazy_zeros(m.numel(), self.device) for m in momentum] if delayed else None,
             outer_count=[0] * p if delayed else [], merged_by=[(-1, []) for _ in range(p)],
-            extra={"outer_lr": self.settings.outer_lr, "outer_momentum": self.settings.outer_momentum},
+            extra={"outer_lr": self.merging.outer_lr, "outer_momentum": self.merging.outer_momentum},
         )
         log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",
                  len(layout.specs), layout.total_numel, p, layout.pattern, layout.fingerprint.hex()[:16])
@@ -323,7 +323,7 @@ class Coordinator:
                 st[ACCUM_KEY] = state.outer_accum[f].to(self.device)
                 st[COUNT_KEY] = state.outer_count[f]
         self.segments = [
-            [Segment(s.offset, s.numel, rda=self.settings.merge == "rda" and not s.embedding) for s in frag.slots]
+            [Segment(s.offset, s.numel, rda=self.merging.merge == "rda" and not s.embedding) for s in frag.slots]
             for frag in layout.fragments
         ]
 
@@ -531,7 +531,7 @@ class Coordinator:
         out = merge_round(list(attempt.answers.values()), params=state.params[f],
                           momentum=state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,
-                          threads=self.settings.merge_threads, workspace=self.workspace)
+                          threads=self.merging.merge_threads, workspace=self.workspace)
         for lid, largest in out.overflowed.items():
             self._overflowed(attempt, lid, largest)
         if not out.answers:  # nothing was written: the round goes round again

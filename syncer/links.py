@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 from syncer.rounds import SchedulerConfig
 from yeto_core.codecs import F32, Codec
+from yeto_core.sections import MergeSettings
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.messages import Push
 from yeto_core.wire.transport import ConnectionGroup
 
 
-def backend_id(s: SyncerSettings) -> str:
+def backend_id(s: MergeSettings) -> str:
     """Names the merge math a checkpoint was made with; --resume refuses a different one."""
     outer = "nesterov" if s.outer_optimizer == "nesterov" else f"delayed-nesterov{s.outer_delay}"
     return f"{s.merge}-{s.delta_correction}-{outer}-v1"

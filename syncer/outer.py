@@ -21,6 +21,7 @@ from typing import Protocol, TypeAlias
 import torch
 
 from syncer.merge import nesterov_step
+from yeto_core.sections import MergeSettings
 
 __all__ = [
     "ACCUM_KEY",
@@ -181,6 +182,12 @@ class DelayedNesterov:
 
 
 OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
+
+
+def outer_optimizer(merging: MergeSettings) -> OuterOptimizer:
+    """The outer optimizer of a syncer's merge settings."""
+    return make_outer_optimizer(merging.outer_optimizer, lr=merging.outer_lr, momentum=merging.outer_momentum,
+                                delay=merging.outer_delay)
 
 
 def make_outer_optimizer(name: str, *, lr: float, momentum: float, delay: int = 1) -> OuterOptimizer:

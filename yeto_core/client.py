@@ -30,6 +30,7 @@ from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushJob, Received
 from yeto_core.probe import ProbeResult, measure_link
+from yeto_core.sections import LinkSettings
 from yeto_core.wire import auth
 from yeto_core.wire.buffers import receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
@@ -65,44 +66,20 @@ MAX_DOWNLINK_MARGIN = 1 << 20
 
 
 class SyncerClient:
-    def __init__(
-        self,
-        *,
-        address: tuple[str, int],
-        key: bytes,
-        learner_id: int,
-        codec: Codec = F32,
-        data_streams: int = 2,
-        connect_timeout_s: float = 10.0,
-        heartbeat_s: float = 2.0,
-        peer_timeout_s: float = 30.0,
-        reconnect_max_s: float = 30.0,
-        stall_timeout_s: float = 0.0,
-        bcast_delta: bool = False,
-        overlap: bool = False,
-        schedule: str = "rr",
-        sends_init: bool = False,
-        faults: FaultInjector = NO_FAULTS,
-    ) -> None:
+    def __init__(self, link: LinkSettings, *, codec: Codec = F32, sends_init: bool = False,
+                 faults: FaultInjector = NO_FAULTS) -> None:
         """`sends_init`: this is learner 0, which describes the model and uploads the initial
         values to a syncer that has none."""
-        self.address = address
-        self._key = key
-        self.learner_id = learner_id
+        self.link = link
+        self.address = link.address
+        self.learner_id = link.learner_id
+        self.bcast_delta = link.bcast_delta
         # Who this process is, the same on every redial: the syncer tells a redial of the id's
         # holder from a second process started with the same id.
         self.instance = secrets.token_bytes(INSTANCE_BYTES)
+        self.codec = codec
         self._layout_for: LayoutFor | None = None
         self.codec = codec
-        self._data_streams = data_streams
-        self._connect_timeout_s = connect_timeout_s
-        self._heartbeat_s = heartbeat_s
-        self._peer_timeout_s = peer_timeout_s
-        self._reconnect_max_s = reconnect_max_s
-        self._stall_timeout_s = stall_timeout_s
-        self.bcast_delta = bcast_delta
-        self.overlap = overlap
-        self._schedule = schedule
         self._downlink: DownlinkDecoder | None = None
         self._sends_init = sends_init
         self._faults = faults
@@ -117,8 +94,8 @@ class SyncerClient:
         self._stop = threading.Event()
         self._jobs: queue.SimpleQueue[PushJob | None] = queue.SimpleQueue()
         self._threads = [
-            threading.Thread(target=self._run, name=f"yeto-learner{learner_id}-link", daemon=True),
-            threading.Thread(target=self._sender, name=f"yeto-learner{learner_id}-push", daemon=True),
+            threading.Thread(target=self._run, name=f"yeto-learner{link.learner_id}-link", daemon=True),
+            threading.Thread(target=self._sender, name=f"yeto-learner{link.learner_id}-push", daemon=True),
         ]
         self._encode_buffers: dict[int, memoryview] = {}
         self.pushes_sent = 0
@@ -143,7 +120,7 @@ class SyncerClient:
         self._init_answers.put(values)
 
     def measure(self, nbytes: int) -> ProbeResult:
-        return measure_link(self.address, self._key, up_bytes=nbytes, down_bytes=nbytes)
+        return measure_link(self.address, self.link.key, up_bytes=nbytes, down_bytes=nbytes)
 
     @property
     def connected(self) -> bool:
@@ -215,7 +192,7 @@ class SyncerClient:
                 log.warning("learner %d: link to syncer lost (%s); redialing", self.learner_id, group.close_reason)
             # Full jitter: islands that lost the syncer together do not all redial in the same instant.
             self._stop.wait(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, self._reconnect_max_s)
+            backoff = min(backoff * 2, self.link.reconnect_max_s)
 
     def _refused_for_good(self, exc: Refused) -> None:
         if self.refused is None:
@@ -225,7 +202,7 @@ class SyncerClient:
 
     def _dial(self) -> ConnectionGroup:
         host, port = self.address
-        deadline = self._connect_timeout_s
+        deadline = self.link.connect_timeout_s
         sock = socket.create_connection((host, port), timeout=deadline)
         tune_socket(sock, bulk=False)
         control = Stream(sock, f"learner{self.learner_id}/ctl")
@@ -240,27 +217,27 @@ class SyncerClient:
             # syncer without state can build the layout and bound every transfer before any bulk byte.
             sends_manifest = self._sends_init
             flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
-            flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.overlap else 0)
+            flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.link.overlap else 0)
             block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
-            hello = Hello(self.learner_id, self._data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
+            hello = Hello(self.learner_id, self.link.data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
                           flags, client_nonce, push_block=block, instance=self.instance)
-            hello = dataclasses.replace(hello, mac=auth.sign(self._key, auth.HELLO_LABEL, challenge.nonce,
+            hello = dataclasses.replace(hello, mac=auth.sign(self.link.key, auth.HELLO_LABEL, challenge.nonce,
                                                               hello.signed_part()))
             control.send_frame(hello)
             welcome = self._expect(control, Welcome)
-            if not auth.verify(self._key, welcome.mac, auth.WELCOME_LABEL, client_nonce, welcome.token,
+            if not auth.verify(self.link.key, welcome.mac, auth.WELCOME_LABEL, client_nonce, welcome.token,
                                welcome.generation.to_bytes(4, "little")):
                 raise Refused(ErrorCode.AUTH, "the syncer could not prove it holds the same key")
             if hello.flags & HELLO_SENDS_MANIFEST:
                 control.send_frame(Manifest(layout.num_fragments, layout.pattern, layout.specs))
             data = []
-            for i in range(self._data_streams):
+            for i in range(self.link.data_streams):
                 sock_i = socket.create_connection((host, port), timeout=deadline)
                 tune_socket(sock_i, bulk=True)
                 stream = Stream(sock_i, f"learner{self.learner_id}/data{i}")
                 streams.append(stream)
                 nonce = self._expect(stream, Challenge).nonce
-                stream.send_frame(Attach(welcome.token, i, auth.sign(self._key, auth.ATTACH_LABEL, nonce,
+                stream.send_frame(Attach(welcome.token, i, auth.sign(self.link.key, auth.ATTACH_LABEL, nonce,
                                                                      welcome.token, bytes([i]))))
                 data.append(stream)
         except BaseException:
@@ -271,12 +248,12 @@ class SyncerClient:
         self.syncer_consensus = False
         group = ConnectionGroup(
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
-            on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self._heartbeat_s,
-            peer_timeout_s=self._peer_timeout_s, heartbeat_step=self._step, stall_timeout_s=self._stall_timeout_s,
-            schedule=self._schedule, faults=self._faults,
+            on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self.link.heartbeat_s,
+            peer_timeout_s=self.link.peer_timeout_s, heartbeat_step=self._step,
+            stall_timeout_s=self.link.stall_timeout_s, schedule=self.link.stream_schedule, faults=self._faults,
         )
         if self.initial_cut_received.is_set():
-            group.set_user_timeout(self._stall_timeout_s)
+            group.set_user_timeout(self.link.stall_timeout_s)
         with self._group_lock:
             self._group = group
         group.start()
@@ -368,7 +345,7 @@ class SyncerClient:
                 self.initial_cut_received.set()
                 with self._group_lock:
                     if self._group is not None:
-                        self._group.set_user_timeout(self._stall_timeout_s)
+                        self._group.set_user_timeout(self.link.stall_timeout_s)
         elif isinstance(msg, Error) and msg.code.permanent:  # e.g. a second process won its id after all
             self._refused_for_good(Refused(msg.code, msg.reason))
         elif isinstance(msg, Error):

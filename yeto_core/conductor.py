@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
+
 T = TypeVar("T")
 NOP, PLAN, END, ERROR, PROBE = 0, 1, 2, 3, 4
 FIRST_STORE_OP = 8  # stores number their own ops from here
@@ -138,8 +140,8 @@ class ConductedStore:
     """The collective half of a multi-rank store: a `Conductor` and the calls every rank makes
     (`yeto_core.island.CollectiveStore`). A store adds `specs`, `gather` and `install`."""
 
-    def __init__(self, *, timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
-        self.conductor = Conductor(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+    def __init__(self, island: IslandSettings = DEFAULT_ISLAND) -> None:
+        self.conductor = Conductor(timeout_s=island.collective_timeout_s, heartbeat_s=island.heartbeat_s)
         self.rank, self.world = self.conductor.rank, self.conductor.world
 
     def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from yeto_core.consensus import encode_summary, summarize
+from yeto_core.sections import ConsensusSettings
 from yeto_core.wire.messages import UNKNOWN, Consensus, Message, ProbeReport
 
 log = logging.getLogger("yeto.consensus")
@@ -33,12 +34,12 @@ def probe_ids(vocab: int, tokens: int, seed: int = PROBE_SEED) -> torch.Tensor:
 
 
 class ConsensusReporter:
-    def __init__(self, probe: Probe | None, *, every: int, top_k: int, learner_id: int = 0) -> None:
+    def __init__(self, probe: Probe | None, settings: ConsensusSettings, *, learner_id: int = 0) -> None:
         self._probe = probe
-        self.every = every
-        self.top_k = top_k
+        self.every = settings.every
+        self.top_k = settings.top_k
         self.learner_id = learner_id
-        self.enabled = probe is not None and every > 0
+        self.enabled = probe is not None and settings.every > 0
         self.reports = 0
         self._mark: int | None = None  # installs counted when the last probe ran
 

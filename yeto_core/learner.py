@@ -103,20 +103,13 @@ class LearnerSession:
         self._generation: int | None = None
         self._last_step_at: float | None = None
         self._step_s: float | None = None
-        self.consensus = ConsensusReporter(probe, every=settings.consensus_every, top_k=settings.consensus_top_k,
-                                           learner_id=settings.learner_id)
+        self.consensus = ConsensusReporter(probe, settings.consensus, learner_id=settings.learner_id)
 
     def _syncer_client(self) -> Link:
         from yeto_core.client import SyncerClient  # the socket layer, only when no link is given
 
         s = self.settings
-        return SyncerClient(
-            address=s.address, key=s.read_key(), learner_id=s.learner_id, codec=self.codec,
-            data_streams=s.data_streams, connect_timeout_s=s.connect_timeout_s, heartbeat_s=s.heartbeat_s,
-            peer_timeout_s=s.peer_timeout_s, reconnect_max_s=s.reconnect_max_s, stall_timeout_s=s.wan_stall_timeout_s,
-            bcast_delta=s.bcast_delta, overlap=s.overlap, schedule=s.wan_stream_schedule,
-            sends_init=s.learner_id == 0, faults=s.fault_injector(),
-        )
+        return SyncerClient(s.link, codec=self.codec, sends_init=s.learner_id == 0, faults=s.fault_injector())
 
     # -- what a driver may look at -------------------------------------------------------------
     @property

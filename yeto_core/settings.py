@@ -17,6 +17,7 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, Validation
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yeto_core import faults
+from yeto_core.sections import ConsensusSettings, IslandSettings, LinkSettings, MergeSettings
 
 log = logging.getLogger("yeto.settings")
 
@@ -176,6 +177,23 @@ class LearnerSettings(BaseSettings):
     def read_key(self) -> bytes:
         return read_key(self.key, self.key_file, prefix="YETO_DILOCO_")
 
+    @property
+    def link(self) -> LinkSettings:
+        """The connection to the syncer (reads the key)."""
+        return LinkSettings(
+            address=self.address, key=self.read_key(), learner_id=self.learner_id, data_streams=self.data_streams,
+            connect_timeout_s=self.connect_timeout_s, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
+            reconnect_max_s=self.reconnect_max_s, stall_timeout_s=self.wan_stall_timeout_s,
+            bcast_delta=self.bcast_delta, overlap=self.overlap, stream_schedule=self.wan_stream_schedule)
+
+    @property
+    def consensus(self) -> ConsensusSettings:
+        return ConsensusSettings(every=self.consensus_every, top_k=self.consensus_top_k, tokens=self.consensus_tokens)
+
+    @property
+    def island(self) -> IslandSettings:
+        return IslandSettings(collective_timeout_s=self.collective_timeout_s, gather_chunk_mib=self.gather_chunk_mib)
+
     def fault_injector(self) -> faults.FaultInjector:
         """This process's fault injector, to build once and pass to whatever holds a point."""
         return faults.FaultInjector(self.fault) if self.fault else faults.NO_FAULTS
@@ -279,6 +297,13 @@ class SyncerSettings(BaseSettings):
         """`key_file_flag`: the file came from `--key-file`, and errors say so."""
         return read_key(self.key, self.key_file, prefix="YETO_SYNCER_",
                         key_file_name="--key-file" if key_file_flag else None)
+
+    @property
+    def merging(self) -> MergeSettings:
+        return MergeSettings(merge=self.merge, delta_correction=self.delta_correction,
+                             outer_optimizer=self.outer_optimizer, outer_lr=self.outer_lr,
+                             outer_momentum=self.outer_momentum, outer_delay=self.outer_delay,
+                             merge_threads=self.merge_threads)
 
     def fault_injector(self) -> faults.FaultInjector:
         """This process's fault injector, to build once and pass to whatever holds a point."""

@@ -161,7 +161,7 @@ def mode_train(rank: int, world: int) -> None:
     model, target = build(world)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     settings = load_settings(LearnerSettings, sync_interval=6, merge_alpha=0.0)
-    store = ProcessGroupStore(list(model.named_parameters()), timeout_s=settings.collective_timeout_s)
+    store = ProcessGroupStore(list(model.named_parameters()), island=settings.island)
     session = LearnerSession(settings, store=store) if rank == 0 else None
     store.run((lambda: session.start()) if session is not None else None, lambda _: (0, 0, 0))  # type: ignore[union-attr]
     be = 2  # H = 6 over 3 fragments: a boundary every 2 steps

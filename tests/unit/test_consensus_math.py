@@ -22,6 +22,7 @@ from yeto_core.consensus import (
     summarize,
 )
 from yeto_core.consensus_report import ConsensusReporter
+from yeto_core.sections import ConsensusSettings
 from yeto_core.wire.messages import UNKNOWN, Message, ProbeReport
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -192,7 +193,7 @@ def test_reporter_probes_every_n_installs_after_the_initial_cut() -> None:
         sent.append(msg)
         return True
 
-    r = ConsensusReporter(probe, every=2, top_k=3)
+    r = ConsensusReporter(probe, ConsensusSettings(every=2, top_k=3))
     assert not r.after_installs(4, 0, 1, send)  # the installs before the first step: the initial cut
     assert not r.after_installs(5, 1, 2, send)
     assert r.after_installs(6, 2, 3, send)
@@ -200,10 +201,11 @@ def test_reporter_probes_every_n_installs_after_the_initial_cut() -> None:
     assert r.after_installs(9, 5, 5, send)
     assert len(calls) == 2 and [m.step for m in sent] == [3, 5]  # type: ignore[attr-defined]
     assert isinstance(sent[0], ProbeReport) and decode_summary(sent[0].summary).k == 3
-    failing = ConsensusReporter(lambda: torch.randn(3), every=1, top_k=3)  # wrong shape: switched off
+    wrong_shape = lambda: torch.randn(3)  # noqa: E731 - a probe that returns no [T, V] logits: switched off
+    failing = ConsensusReporter(wrong_shape, ConsensusSettings(every=1, top_k=3))
     failing.after_installs(0, 0, 1, send)
     assert not failing.after_installs(1, 1, 2, send) and not failing.enabled
-    assert not ConsensusReporter(probe, every=0, top_k=3).enabled
+    assert not ConsensusReporter(probe, ConsensusSettings(every=0, top_k=3)).enabled
 
 
 def _report(logits: torch.Tensor, installed: int) -> ProbeReport:

@@ -35,10 +35,10 @@ def test_average_merges_every_tensor_by_the_plain_weighted_average() -> None:
 
 
 def test_the_backend_id_names_the_merge() -> None:
-    ids = {backend_id(SyncerSettings(merge=m, delta_correction=c)) for m in ("rda", "average")
+    ids = {backend_id(SyncerSettings(merge=m, delta_correction=c).merging) for m in ("rda", "average")
            for c in ("heloco", "none")}
     assert len(ids) == 4  # --resume refuses a checkpoint made with another merge
-    assert backend_id(SyncerSettings(merge="rda", delta_correction="heloco", outer_optimizer="nesterov")) == (
+    assert backend_id(SyncerSettings(merge="rda", delta_correction="heloco", outer_optimizer="nesterov").merging) == (
         "rda-heloco-nesterov-v1")  # checkpoints written before the setting existed still resume
 
 

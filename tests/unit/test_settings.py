@@ -137,3 +137,18 @@ def test_a_key_file_given_by_flag_is_named_by_the_flag(tmp_path: Path) -> None:
         settings.read_key(key_file_flag=True)
     with pytest.raises(SettingsError, match=r"^YETO_SYNCER_KEY_FILE=.*short.key: the key must be at least 16"):
         settings.read_key()
+
+
+def test_each_section_carries_its_settings_and_their_defaults_do_not_drift() -> None:
+    from yeto_core.sections import ConsensusSettings, IslandSettings, LinkSettings, MergeSettings
+    from yeto_core.settings import LearnerSettings, SyncerSettings
+
+    learner = LearnerSettings(syncer="10.0.0.2:7070", key="k" * 32, learner_id=3)
+    assert learner.consensus == ConsensusSettings() and learner.island == IslandSettings()
+    assert SyncerSettings().merging == MergeSettings()
+    assert learner.link == LinkSettings(address=("10.0.0.2", 7070), key=b"k" * 32, learner_id=3)
+    tuned = LearnerSettings(syncer="h:1", key="k" * 32, data_streams=4, wan_stall_timeout_s=9, collective_timeout_s=8,
+                            consensus_every=0, wan_stream_schedule="adaptive")
+    assert (tuned.link.data_streams, tuned.link.stall_timeout_s, tuned.link.stream_schedule) == (4, 9.0, "adaptive")
+    assert tuned.island.heartbeat_s == 2.0 and tuned.consensus.every == 0
+    assert SyncerSettings(outer_lr=0.3, merge="average").merging.outer_lr == 0.3

@@ -94,8 +94,7 @@ class YetoDiLoCo(TrainerCallback):
         probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
         s = self.settings
         if args.world_size > 1:  # DDP, FSDP2 or ZeRO: rank 0 talks to the syncer, the others follow
-            store = ProcessGroupStore(named, embedding_names(model), timeout_s=s.collective_timeout_s,
-                                      heartbeat_s=min(5.0, s.collective_timeout_s / 4))
+            store = ProcessGroupStore(named, embedding_names(model), s.island)
             self.island = IslandSession(s, store=store, probe=probe)
         else:
             self.island = IslandSession(s, named, embedding_names=embedding_names(model), probe=probe)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from yeto_core.conductor import FIRST_STORE_OP, ConductedStore, IslandError
 from yeto_core.layout import Fragment, TensorSpec
+from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
 from yeto_core.store import check_fragment_values
 from yeto_plugins.megatron.masters import Master, masters, write_parameter
 from yeto_plugins.megatron.names import EMBEDDING, LocalParam, canonical_order, local_params
@@ -106,14 +107,14 @@ class IslandStore(ConductedStore):
     """A `CollectiveStore` for a Megatron island: rank 0's session reads and writes through it,
     the other ranks call `run` with the same calls and follow."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, *, chunk_mib: int = 64,
-                 timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
-        super().__init__(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any,
+                 island: IslandSettings = DEFAULT_ISLAND) -> None:
+        super().__init__(island)
         self.group = self.conductor.group
         plan_of = self.conductor.plan_of
         self.conductor.handlers[GATHER] = lambda plan, _b, _c: self._gather_batches(plan_of(plan), None)
         self.conductor.handlers[INSTALL] = lambda plan, _b, _c: self._install_batches(plan_of(plan), None)
-        self.chunk_elems = (chunk_mib << 20) // 4
+        self.chunk_elems = (island.gather_chunk_mib << 20) // 4
         self.local: list[LocalParam] = local_params(chunks)
         self.masters: list[Master] = masters(self.local, optimizer)
         mine = [Piece(lp.global_name, lp.param.numel(), lp.shard, m.owned, lp.alias)

@@ -42,9 +42,7 @@ class MegatronDiLoCoSync:
                  settings: LearnerSettings | None = None, **overrides: Any) -> None:
         self.settings = settings if settings is not None else load_settings(LearnerSettings, **overrides)
         chunks = list(model) if isinstance(model, Sequence) else [model]
-        self.store = IslandStore(chunks, optimizer, chunk_mib=self.settings.gather_chunk_mib,
-                                 timeout_s=self.settings.collective_timeout_s,
-                                 heartbeat_s=min(5.0, self.settings.collective_timeout_s / 4))
+        self.store = IslandStore(chunks, optimizer, self.settings.island)
         self.rank = self.store.rank
         # Built on every rank (the same way): the probe is a collective of the whole island.
         probe = (megatron_logit_probe(chunks, self.store.group, self.settings.consensus_tokens)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from yeto_core.conductor import FIRST_STORE_OP, ConductedStore
 from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
+from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
 from yeto_core.store import blend_into, check_fragment_values
 
 GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
@@ -66,9 +67,9 @@ class ProcessGroupStore(ConductedStore):
     """A `CollectiveStore` for a DDP, FSDP2 or ZeRO island: rank 0's session reads and writes
     through it, the other ranks follow (`run`)."""
 
-    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], embedding_names: Collection[str] = (), *,
-                 timeout_s: float = 300.0, heartbeat_s: float = 5.0) -> None:
-        super().__init__(timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], embedding_names: Collection[str] = (),
+                 island: IslandSettings = DEFAULT_ISLAND) -> None:
+        super().__init__(island)
         self.params: dict[str, torch.Tensor] = dict(named_params)
         self.specs: list[TensorSpec] = [
             TensorSpec(s.name, _shape(self.params[s.name]), s.dtype, s.embedding)  # DTensor: global shape already

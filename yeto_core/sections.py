@@ -1,0 +1,68 @@
+"""The settings, grouped by the component that uses them.
+
+`LearnerSettings` and `SyncerSettings` stay flat, because each field is one environment variable
+(`YETO_DILOCO_*`, `YETO_SYNCER_*`) or flag that users set. Components do not take the whole
+settings object nor a dozen loose arguments copied out of it: each takes its section, built
+by a property of the settings (`settings.link`, `.consensus`, `.island`, `.merging`), so what a
+component depends on is written once, in its signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """A learner's connection to the syncer: where, who, and its deadlines."""
+
+    address: tuple[str, int]
+    key: bytes  # the shared HMAC key, read from KEY or KEY_FILE
+    learner_id: int
+    data_streams: int = 2
+    connect_timeout_s: float = 10.0
+    heartbeat_s: float = 2.0
+    peer_timeout_s: float = 30.0
+    reconnect_max_s: float = 30.0
+    stall_timeout_s: float = 0.0  # 0: off
+    bcast_delta: bool = False  # take broadcasts as bf16 deltas
+    overlap: bool = True  # rebases on its merged pushes (told to the syncer in HELLO)
+    stream_schedule: str = "rr"  # chunk-to-stream striping: rr | adaptive
+
+
+@dataclass(frozen=True)
+class ConsensusSettings:
+    """The learner's consensus probe: how often, and how much of it is reported."""
+
+    every: int = 4  # installs between probes; 0: no probe
+    top_k: int = 64
+    tokens: int = 64
+
+
+@dataclass(frozen=True)
+class IslandSettings:
+    """How the ranks of a multi-rank island work together."""
+
+    collective_timeout_s: float = 300.0  # deadline of one wait on the other ranks
+    gather_chunk_mib: int = 64  # MiB of a fragment moved between ranks at a time
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Rank 0 tells the others it is alive this often while it waits on the syncer."""
+        return min(5.0, self.collective_timeout_s / 4)
+
+
+DEFAULT_ISLAND = IslandSettings()
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    """How the syncer merges a round: the merge of the deltas and the outer step."""
+
+    merge: str = "rda"  # rda | average (the embedding is always averaged)
+    delta_correction: str = "none"  # heloco | none
+    outer_optimizer: str = "nesterov"  # nesterov | delayed-nesterov
+    outer_lr: float = 0.5
+    outer_momentum: float = 0.5
+    outer_delay: int = 4
+    merge_threads: int = 1
