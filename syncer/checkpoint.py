@@ -166,7 +166,7 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
     """Write ``state`` to ``path`` atomically; returns the number of bytes written.
 
     ``read(kind, fragment)``, when given, is entered around each piece the writer reads and yields
-    the tensor to read it from ("param", "momentum" or "accum"; see `snapshots.CopyOnWrite`).
+    the tensor to read it from ("param", "momentum" or "accum"; see `snapshots.SnapshotReads`).
     ``faults`` holds the ``mid-checkpoint`` point, between the synced temporary file and the rename."""
     if sys.byteorder != "little":
         raise RuntimeError("checkpoints are written on little-endian hosts only")

@@ -13,6 +13,7 @@ import sys
 import time
 
 from syncer.checkpoint import CheckpointError
+from syncer.leases import Leases
 from syncer.run_state import RunState
 from syncer.snapshots import CheckpointWriter
 
@@ -28,10 +29,10 @@ class DurabilityLost(Exception):
 
 
 class Checkpointing:
-    def __init__(self, run: RunState) -> None:
+    def __init__(self, run: RunState, leases: Leases) -> None:
         self.shared = run
         path = run.settings.checkpoint
-        self.writer = (CheckpointWriter(path, background=run.settings.background_checkpoint,
+        self.writer = (CheckpointWriter(path, background=run.settings.background_checkpoint, leases=leases,
                                         progress=self.show_progress, faults=run.faults)
                        if path is not None else None)
 

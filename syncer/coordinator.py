@@ -30,6 +30,7 @@ from syncer.correction import HelocoConfig
 from syncer.events import Decoded, Got, Joined, Left
 from syncer.finale import Finale
 from syncer.intake import PushIntake
+from syncer.leases import Leases
 from syncer.links import InitProgress, Link, Phase, backend_id, id_conflict, scheduler_config
 from syncer.merge import Segment, check_finite
 from syncer.outbox import Outbox
@@ -113,8 +114,9 @@ class Coordinator:
         self.segments: list[list[Segment]] = []
         self.sched = scheduler_config(settings)
         self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
-        self.outbox = Outbox(self.shared)
-        self.checkpoints = Checkpointing(self.shared)
+        self.leases = Leases()  # readers of committed tensors on other threads (leases.py)
+        self.outbox = Outbox(self.shared, self.leases)
+        self.checkpoints = Checkpointing(self.shared, self.leases)
         self.intake = PushIntake(self.shared, sched=self.sched, device=device, decoders=self._decoders, post=self.post)
         self.finale = Finale(self.shared, self.outbox, self.checkpoints)
         self.merging = settings.merging  # what every round's merge is made of
@@ -525,9 +527,11 @@ class Coordinator:
         assert state is not None
         t0 = time.perf_counter()
         f = attempt.fragment
-        if self.checkpoints.writer is not None:
-            self.checkpoints.writer.preserve(f)  # a background checkpoint still reading fragment f keeps its values
-        self.outbox.before_write(f)  # so does a broadcast still being sent
+        # A send or a background checkpoint still reading fragment f keeps the values it reads.
+        moved = self.leases.writable(f, {"param": state.params, "momentum": state.momentum,
+                                         "accum": state.outer_accum})
+        if "accum" in moved:  # the optimizer's state holds the accumulator it writes too
+            self.outer_state[f][ACCUM_KEY] = moved["accum"]
         out = merge_round(list(attempt.answers.values()), params=state.params[f],
                           momentum=state.momentum[f], outer_state=self.outer_state[f],
                           segments=self.segments[f], outer=self.outer, heloco=self.heloco,

@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from syncer.leases import Leases
 from syncer.links import Link
 from syncer.run_state import RunState
 from yeto_core.codecs import F32, tensor_bytes
@@ -18,22 +19,22 @@ from yeto_core.wire.buffers import BufferPool
 from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Final
 from yeto_core.wire.transport import SendTicket
 
-SNAPSHOT_POOL = BufferPool()  # host copies of fragments (cuda sends, `before_write`), recycled once unused
+SNAPSHOT_POOL = BufferPool()  # host copies of fragments for cuda sends, recycled once unused
 
 
 class Outbox:
-    def __init__(self, run: RunState) -> None:
+    def __init__(self, run: RunState, leases: Leases) -> None:
         self.shared = run
-        self._in_flight: dict[int, list[SendTicket]] = {}  # per fragment: sends that may still read its params
+        self.leases = leases
 
     def fragment_bytes(self, index: int) -> memoryview:
         """Fragment `index`'s committed values for the sender threads of every learner.
 
-        On the CPU these are the parameters' own bytes, with no copy: whoever sends them records
-        the ticket (`sending`), and the next commit of the fragment, which writes the parameters
-        in place, first moves them to a copy if a send is still reading them (`before_write`).
-        Elsewhere (cuda) they are copied to host memory, into a recycled buffer: a fresh 64 MiB one
-        faults in every page during the copy (20–25 ms against 4 ms into a warm one, here).
+        On the CPU these are the parameters' own bytes, with no copy: whoever sends them takes a
+        lease on them (`sending`), so the next commit of the fragment writes a copy if a send
+        still reads them (`leases.py`). Elsewhere (cuda) they are copied to host memory, into a
+        recycled buffer: a fresh 64 MiB one faults in every page during the copy (20–25 ms against
+        4 ms into a warm one, here).
         """
         assert self.shared.state is not None
         params = self.shared.state.params[index].detach()
@@ -46,21 +47,12 @@ class Outbox:
         return snapshot
 
     def sending(self, index: int, ticket: SendTicket) -> SendTicket:
-        """Note a send that may still read fragment `index`'s parameters."""
-        self._in_flight.setdefault(index, []).append(ticket)
-        return ticket
-
-    def before_write(self, index: int) -> None:
-        """Before fragment `index` is written in place: if a send still reads its parameters, the
-        committed state moves to a copy (the senders keep the old tensor alive until they finish).
-        On a fast link every send is done long before the fragment's next commit: no copy."""
+        """A send of `fragment_bytes(index)`: on the CPU it reads the parameters themselves until
+        its ticket is done, so it holds a lease on them."""
         assert self.shared.state is not None
-        pending = [t for t in self._in_flight.pop(index, []) if not t.done.is_set()]
-        params = self.shared.state.params[index]
-        if not pending or params.device.type != "cpu" or params.numel() == 0:
-            return
-        moved = torch.frombuffer(SNAPSHOT_POOL.take(params.numel() * 4), dtype=torch.float32)
-        self.shared.state.params[index] = moved.copy_(params.reshape(-1)).view(params.shape)
+        if self.shared.state.params[index].device.type == "cpu" and not ticket.done.is_set():
+            self.leases.take(index, "param", lambda: not ticket.done.is_set())
+        return ticket
 
     def broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
         """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,

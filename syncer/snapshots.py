@@ -1,13 +1,12 @@
-"""Background checkpoints (DESIGN §6.2): write a copy-on-write snapshot on its own thread while
-rounds go on.
+"""Background checkpoints (DESIGN §6.2): write a snapshot on its own thread while rounds go on.
 
 `CheckpointWriter.save(state)` snapshots the committed state at a commit boundary (so it is a
 contiguous prefix) and writes it on a writer thread. The snapshot copies only the small
-bookkeeping at once; the fragments' params, momentum and outer-optimizer accumulator are read
-from the live tensors, and a fragment is copied only when a commit is about to change it before
-the writer got to it: the coordinator calls `preserve(f)` before merging into fragment f (see
-`CopyOnWrite`). A round changes one fragment, so a write that overlaps k commits copies at most k
-fragments instead of all of them.
+bookkeeping at once; it holds the fragments' params, momentum and outer-optimizer accumulator by
+reference, with a lease on each fragment until the writer has read it (`leases.py`). A commit
+that comes first writes a copy of the fragment instead, and the writer reads the old tensor,
+which nothing writes again. A round changes one fragment, so a write that overlaps k commits
+copies at most k fragments instead of all of them.
 
 One writer at a time: the next save, and every synchronous save, first waits for the write in
 flight, so the newest checkpoint always lands last. A failed write is raised by that wait (the
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,64 +26,53 @@ from pathlib import Path
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, save_checkpoint
+from syncer.leases import Leases
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
 
 
-class CopyOnWrite:
-    """The fragment tensors of one snapshot: live until `preserve` copies them, and never
-    mutated while the writer reads them (`preserve` waits for the piece being read)."""
+class SnapshotReads:
+    """How far a background write has read its snapshot: each fragment's tensor of each kind is
+    leased (`leases.py`) until the writer has read every piece of it."""
 
     def __init__(self, state: SyncerState) -> None:
-        self._cond = threading.Condition()
-        self.kinds: dict[str, list[torch.Tensor]] = {"param": list(state.params), "momentum": list(state.momentum)}
+        self.kinds: dict[str, list[torch.Tensor]] = {"param": state.params, "momentum": state.momentum}
         if state.outer_accum is not None:
-            self.kinds["accum"] = list(state.outer_accum)
-        # Pieces the writer still has to read per fragment: once none are left, the fragment is free.
-        slots = [0] * state.num_fragments
+            self.kinds["accum"] = state.outer_accum
+        self._lock = threading.Lock()
+        self.left: dict[tuple[str, int], int] = {}  # pieces still to read, per (kind, fragment)
         for frag in build_layout(state.specs, state.num_fragments, state.pattern).fragments:
-            slots[frag.index] = len(frag.slots) * len(self.kinds)
-        self._left = slots
-        self._reading: int | None = None
-        self.copied: list[int] = []  # fragments copied because a commit came first
+            for kind in self.kinds:
+                self.left[kind, frag.index] = len(frag.slots)
+
+    def reading(self, kind: str, fragment: int) -> bool:
+        with self._lock:
+            return self.left.get((kind, fragment), 0) > 0
 
     @contextlib.contextmanager
     def read(self, kind: str, fragment: int) -> Iterator[torch.Tensor]:
-        with self._cond:
-            source = self.kinds[kind][fragment]
-            self._reading = fragment
         try:
-            yield source
+            yield self.kinds[kind][fragment]
         finally:
-            with self._cond:
-                self._reading = None
-                self._left[fragment] -= 1
-                self._cond.notify_all()
-
-    def preserve(self, fragment: int) -> None:
-        """A commit is about to change `fragment` in place: keep the snapshot's values first."""
-        with self._cond:
-            if self._left[fragment] <= 0 or fragment in self.copied:
-                return  # already written, or already copied
-            while self._reading == fragment:
-                self._cond.wait()
-            for tensors in self.kinds.values():
-                tensors[fragment] = tensors[fragment].detach().to("cpu", copy=True)
-            self.copied.append(fragment)
+            with self._lock:
+                self.left[kind, fragment] -= 1
 
 
 class CheckpointWriter:
-    def __init__(self, path: Path, *, background: bool, progress: Callable[[], bool] = lambda: False,
-                 faults: FaultInjector = NO_FAULTS) -> None:
+    def __init__(self, path: Path, *, background: bool, leases: Leases | None = None,
+                 progress: Callable[[], bool] = lambda: False, faults: FaultInjector = NO_FAULTS) -> None:
+        """`leases`: where a background snapshot leases the tensors it still has to read (needed
+        with `background`, so that commits do not write what the writer reads)."""
+        if background and leases is None:
+            raise ValueError("a background checkpoint writer needs the run's leases")
         self.path = path
         self.faults = faults
         self.background = background
+        self.leases = leases
         self._progress = progress
         self._thread: threading.Thread | None = None
-        self._cow: CopyOnWrite | None = None
         self._error: BaseException | None = None
         self.last_ms: float | None = None  # duration of the last completed write
-        self.last_copied: list[int] = []  # fragments the last background write had to copy
 
     def save(self, state: SyncerState, *, wait: bool = False) -> float:
         """Checkpoint `state`; returns how long the caller was held (ms). With `wait`, or without
@@ -91,13 +80,17 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         self.wait()
         if self.background and not wait:
-            cow = self._cow = CopyOnWrite(state)
-            snap = dataclasses.replace(  # the bookkeeping now; the tensors through `cow`
+            assert self.leases is not None
+            snap = dataclasses.replace(  # the bookkeeping copied now, the tensors by reference
                 state, versions=list(state.versions), ledger=dict(state.ledger),
                 outer_count=list(state.outer_count), extra=dict(state.extra),
                 params=list(state.params), momentum=list(state.momentum),
                 outer_accum=None if state.outer_accum is None else list(state.outer_accum))
-            self._thread = threading.Thread(target=self._write, args=(snap, cow), name="syncer-checkpoint",
+            reads = SnapshotReads(snap)
+            for f in range(state.num_fragments):
+                for kind in reads.kinds:
+                    self.leases.take(f, kind, functools.partial(reads.reading, kind, f))
+            self._thread = threading.Thread(target=self._write, args=(snap, reads), name="syncer-checkpoint",
                                             daemon=True)
             self._thread.start()
         else:
@@ -105,20 +98,11 @@ class CheckpointWriter:
             self._raise_failure()
         return (time.perf_counter() - t0) * 1000
 
-    def preserve(self, fragment: int) -> None:
-        """Call before changing `fragment`'s params, momentum or accumulator in place."""
-        cow = self._cow
-        if cow is not None:
-            cow.preserve(fragment)
-
     def wait(self) -> None:
         """Wait for the write in flight; raise CheckpointError if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._cow is not None:
-            self.last_copied = list(self._cow.copied)
-            self._cow = None
         self._raise_failure()
 
     def _raise_failure(self) -> None:
@@ -127,10 +111,10 @@ class CheckpointWriter:
             raise CheckpointError(f"writing checkpoint {self.path} failed ({error}); the previous checkpoint "
                                   "is intact") from error
 
-    def _write(self, state: SyncerState, cow: CopyOnWrite | None) -> None:
+    def _write(self, state: SyncerState, reads: SnapshotReads | None) -> None:
         t0 = time.perf_counter()
         try:
-            save_checkpoint(self.path, state, progress=self._progress(), read=cow.read if cow else None,
+            save_checkpoint(self.path, state, progress=self._progress(), read=reads.read if reads else None,
                             faults=self.faults)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc

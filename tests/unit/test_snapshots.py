@@ -2,7 +2,6 @@
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 from syncer import snapshots
 from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint
+from syncer.leases import Leases
 from syncer.snapshots import CheckpointWriter
 from yeto_core.layout import TensorSpec, build_layout
 
@@ -26,12 +26,18 @@ def state(value: float, round_id: int) -> SyncerState:
                        next_round=round_id, ledger={"0": round_id})
 
 
+def writable(leases: Leases, live: SyncerState, f: int) -> None:
+    """What the coordinator does before a commit writes fragment f in place."""
+    leases.writable(f, {"param": live.params, "momentum": live.momentum, "accum": live.outer_accum})
+
+
 def test_a_background_write_is_a_snapshot_that_later_commits_cannot_touch(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
-    writer = CheckpointWriter(path, background=True)
+    leases = Leases()
+    writer = CheckpointWriter(path, background=True, leases=leases)
     live = state(1.0, 3)
     writer.save(live)
-    writer.preserve(0)  # what the coordinator does before a commit changes fragment 0
+    writable(leases, live, 0)
     live.params[0].fill_(99.0)  # a commit right after the snapshot
     live.versions[0] = 4
     writer.wait()
@@ -41,7 +47,7 @@ def test_a_background_write_is_a_snapshot_that_later_commits_cannot_touch(tmp_pa
 
 def test_the_newest_checkpoint_lands_last(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
-    writer = CheckpointWriter(path, background=True)
+    writer = CheckpointWriter(path, background=True, leases=Leases())
     for r in range(1, 6):
         writer.save(state(float(r), r))
     writer.save(state(9.0, 9), wait=True)  # a synchronous save waits for the one in flight
@@ -50,7 +56,7 @@ def test_the_newest_checkpoint_lands_last(tmp_path: Path) -> None:
 
 def test_a_failed_write_surfaces_and_the_previous_file_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt.safetensors"
-    writer = CheckpointWriter(path, background=True)
+    writer = CheckpointWriter(path, background=True, leases=Leases())
     writer.save(state(1.0, 1), wait=True)
 
     def broken(*args: object, **kwargs: object) -> int:
@@ -83,35 +89,34 @@ def test_only_fragments_changed_before_the_writer_read_them_are_copied(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "ckpt.safetensors"
     gate, reading = threading.Event(), threading.Event()
-    real_read = snapshots.CopyOnWrite.read
+    real_read = snapshots.SnapshotReads.read
 
     @contextlib.contextmanager
-    def slow_read(self: snapshots.CopyOnWrite, kind: str, fragment: int) -> Iterator[torch.Tensor]:
+    def slow_read(self: snapshots.SnapshotReads, kind: str, fragment: int) -> Iterator[torch.Tensor]:
         with real_read(self, kind, fragment) as t:
             if kind == "param" and fragment == 1:
                 reading.set()
                 assert gate.wait(10)  # hold the writer in the middle of reading fragment 1's params
             yield t
 
-    monkeypatch.setattr(snapshots.CopyOnWrite, "read", slow_read)
-    writer = CheckpointWriter(path, background=True)
+    monkeypatch.setattr(snapshots.SnapshotReads, "read", slow_read)
+    leases = Leases()
+    writer = CheckpointWriter(path, background=True, leases=leases)
     live = big_state(1.0)
     writer.save(live)
     assert reading.wait(10)
-    # The writer is at fragment 1: fragment 0's params are written, 2 and 3 not yet read at all.
-    for f in (2, 3):
-        writer.preserve(f)
+    # The writer reads every fragment's params, then their momentum; it is in fragment 1's params.
+    # Commits of 0-3 meanwhile write copies of what it has still to read (without waiting on it),
+    # and fragment 0's params, already written, in place.
+    before = list(live.params)
+    for f in range(4):
+        writable(leases, live, f)
         live.params[f].fill_(50.0 + f)
         live.momentum[f].fill_(60.0 + f)
-    blocked = threading.Thread(target=writer.preserve, args=(1,))
-    blocked.start()  # waits until the writer has finished reading fragment 1's piece
-    time.sleep(0.1)
-    assert blocked.is_alive(), "preserve did not wait for the piece being read"
+    assert live.params[0] is before[0] and all(live.params[f] is not before[f] for f in (1, 2, 3))
     gate.set()
-    blocked.join(10)
-    live.params[1].fill_(51.0)
     writer.wait()
-    assert sorted(writer.last_copied) == [1, 2, 3]
+    assert sorted(leases.copied) == [(0, "momentum")] + [(f, kind) for f in (1, 2, 3) for kind in ("momentum", "param")]
     back = load_checkpoint(path)
     for f in range(4):
         assert torch.equal(back.params[f], torch.full_like(back.params[f], 1.0)), f
@@ -120,10 +125,16 @@ def test_only_fragments_changed_before_the_writer_read_them_are_copied(tmp_path:
 
 def test_a_fragment_already_written_is_not_copied(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.safetensors"
-    writer = CheckpointWriter(path, background=True)
+    leases = Leases()
+    writer = CheckpointWriter(path, background=True, leases=leases)
     live = big_state(2.0, fragments=2)
     writer.save(live)
     writer.wait()
-    writer.preserve(0)  # nothing in flight: nothing to copy
-    assert writer.last_copied == []
+    writable(leases, live, 0)  # nothing in flight: nothing to copy
+    assert leases.copied == []
     assert torch.equal(load_checkpoint(path).params[0], torch.full_like(live.params[0], 2.0))
+
+
+def test_a_background_writer_needs_the_leases(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs the run's leases"):
+        CheckpointWriter(tmp_path / "c.safetensors", background=True)
