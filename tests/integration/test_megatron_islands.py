@@ -46,40 +46,34 @@ def results(runs: list[RankResult]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def single_rank_names() -> dict[str, list[str]]:
-    """Global names of each config built on one rank (TP = PP = EP = 1), in one process."""
+def single_rank() -> dict[str, dict[str, Any]]:
+    """Each config built on one rank (TP = PP = EP = 1), in one process: its global names, and its
+    consensus probe's logits on the weights `sync_worker.reference_values` sets."""
     singles = [{k: v for k, v in cfg.items() if k not in ("tp", "pp", "ep")} for cfg in CONFIGS.values()]
     (only,) = results(run_ranks(WORKER, 1, args=["names", *map(json.dumps, singles)], timeout_s=150))
-    return dict(zip(CONFIGS, only["names"], strict=True))
+    return {config: {"names": names, "logits": logits}
+            for config, names, logits in zip(CONFIGS, only["names"], only["logits"], strict=True)}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_global_names_and_masters_read_and_written_bit_for_bit(config: str,
-                                                               single_rank_names: dict[str, list[str]]) -> None:
+                                                               single_rank: dict[str, dict[str, Any]]) -> None:
     ranks = results(run_ranks(WORKER, 4, args=["exact", json.dumps(CONFIGS[config])], timeout_s=180))
     for r in ranks:
-        assert r["names"] == single_rank_names[config], f"rank {r['rank']}: global names differ from one rank's"
+        assert r["names"] == single_rank[config]["names"], f"rank {r['rank']}: global names differ from one rank's"
         assert r["problems"] == [], f"rank {r['rank']}: {r['problems']}"
         assert r["moments"] > 0  # Adam moments existed and were compared bit for bit
     losses = {r["loss"] for r in ranks if r["loss"] is not None}
     assert len(losses) == 1 and all(x == x and x < 1e4 for x in losses), losses  # one finite loss: trains on
-
-
-@pytest.mark.timeout(240)
-def test_the_consensus_probe_sees_the_same_logits_whatever_the_layout() -> None:
-    """The probe's forward pass runs through megatron's pipeline schedule and gathers the
-    vocabulary-split logits: TP2×PP2 with tied embeddings gives rank 0 what one rank computes."""
-    spec = {"bf16": False, "tied_embeddings": True}
-    (single,) = results(run_ranks(WORKER, 1, args=["probe", json.dumps(spec)], timeout_s=150))
-    ranks = results(run_ranks(WORKER, 4, args=["probe", json.dumps({**spec, "tp": 2, "pp": 2})], timeout_s=180))
+    # The consensus probe (a forward pass through megatron's pipeline schedule, the logits split
+    # over the vocabulary gathered, sent to rank 0) sees what one rank holding the model sees, up
+    # to the bf16 roundings of a differently split forward pass.
     lead = next(r for r in ranks if r["rank"] == 0)
-    assert lead["shape"] == single["shape"] == [12, 256]
-    assert all(r["shape"] == [0] for r in ranks if r["rank"] != 0)
-    assert all(r["training"] == [True] for r in [*ranks, single])  # the trainer's mode is restored
-    got, want = torch.tensor(lead["logits"]), torch.tensor(single["logits"])
-    assert want.abs().max() > 0.1 and want.std() > 0.01  # real logits, not a tensor of zeros
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    got, want = torch.tensor(lead["logits"]), torch.tensor(single_rank[config]["logits"])
+    assert got.shape == want.shape == (12, 256) and bool(torch.isfinite(want).all()) and want.std() > 0.1
+    assert (got - want).abs().max() <= 0.05 * want.abs().max(), (got - want).abs().max()
+    assert all(r["logits"] is None for r in ranks if r["rank"] != 0)
 
 
 @pytest.mark.timeout(120)

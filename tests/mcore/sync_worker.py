@@ -5,7 +5,6 @@
     python sync_worker.py error   SPEC_JSON                   # a rank-0 failure raises on every rank
     python sync_worker.py train   SPEC_JSON STEPS             # a learner against the syncer in YETO_DILOCO_*
     python sync_worker.py swift   SPEC_JSON STEPS             # the same through the ms-swift callback
-    python sync_worker.py probe   SPEC_JSON                   # the consensus probe's logits on given weights
 
 Every mode reports a JSON dict through `launch.report`.
 """
@@ -74,15 +73,32 @@ def share(obj: Any) -> Any:
     return box[0]
 
 
+def probe_logits(island: Any, sync: MegatronDiLoCoSync) -> list[list[float]] | None:
+    """The consensus probe, run by every rank together on the island's current weights; rank 0's
+    logits (None elsewhere, where the probe returns an empty tensor)."""
+    probe = megatron_logit_probe(island.model_chunks, sync.store.group, tokens=12)
+    assert probe is not None
+    with torch.no_grad():
+        logits = probe()
+    assert all(chunk.training for chunk in island.model_chunks), "the probe left the model in eval mode"
+    if sync.rank != 0:
+        assert logits.numel() == 0
+        return None
+    return logits.tolist()
+
+
 def mode_names(specs: list[str]) -> None:
-    out = []
+    """Each config's global names, and its probe logits on the weights `reference_values` names."""
+    out, logits = [], []
     for text in specs:
         island = init_island(spec_of(text))
         sync = MegatronDiLoCoSync(island.model_chunks, island.optimizer, **OFFLINE)
         out.append(sync.names)
+        sync.write_all(reference_values(sync))
+        logits.append(probe_logits(island, sync))
         sync.close()
         teardown()
-    report({"names": out})
+    report({"names": out, "logits": logits})
 
 
 def mode_exact(text: str) -> None:
@@ -103,8 +119,10 @@ def mode_exact(text: str) -> None:
     again = sync.read_all()
     if again is not None and any(not torch.equal(again[k], written[k].float()) for k in written):
         problems.append("read after write differs")
+    logits = probe_logits(island, sync)  # the consensus probe on the written weights
     loss = island.train_step()
-    report({"names": sync.names, "problems": problems, "moments": len(before), "loss": loss, **rank_info()})
+    report({"names": sync.names, "problems": problems, "moments": len(before), "loss": loss, "logits": logits,
+            **rank_info()})
     sync.close()
     teardown()
 
@@ -150,23 +168,6 @@ def mode_train(text: str, steps: int) -> None:
     digest = {k: hashlib.sha256(v.float().numpy().tobytes()).hexdigest() for k, v in values.items()}
     report({"stopped_at": stopped_at, "final": final, "problems": problems, "digest": digest, "losses": losses,
             "pushes": sync.stats.pushes, "installs": sync.stats.installs, **rank_info()})
-    sync.close()
-    teardown()
-
-
-def mode_probe(text: str) -> None:
-    """Every rank runs the probe together on weights set by global name (the same whatever the
-    layout); rank 0 reports the logits it got."""
-    island = init_island(spec_of(text))
-    sync = MegatronDiLoCoSync(island.model_chunks, island.optimizer, **OFFLINE)
-    written = {name: value * 0.3 for name, value in reference_values(sync).items()}
-    sync.write_all(written if sync.rank == 0 else None)
-    probe = megatron_logit_probe(island.model_chunks, sync.store.group, tokens=12)
-    assert probe is not None
-    with torch.no_grad():
-        logits = probe()
-    report({"shape": list(logits.shape), "logits": logits.tolist() if sync.rank == 0 else None,
-            "training": [chunk.training for chunk in island.model_chunks], **rank_info()})
     sync.close()
     teardown()
 
@@ -238,7 +239,6 @@ if __name__ == "__main__":
         mode_train(rest[0], int(rest[1]))
     elif mode == "swift":
         mode_swift(rest[0], int(rest[1]))
-    elif mode == "probe":
-        mode_probe(rest[0])
+
     else:
         raise SystemExit(f"unknown mode {mode}")
