@@ -158,7 +158,7 @@ class FragmentSync:
         if pull.attempt == sent.pull.attempt and state.sent_link == self.links:
             return  # the very pull it answered
         if pull.version != sent.base_version or state.version != sent.base_version:
-            state.sent, state.sent_marks = None, None  # the base moved on: the old delta no longer applies
+            state.forget_push()  # the base moved on: the old delta no longer applies
             return
         if self.push_in_flight():
             return  # the next boundary answers this pull with a fresh delta instead
@@ -204,7 +204,7 @@ class FragmentSync:
                 state.version = msg.version
                 self.stats.installs += 1
             if sent is not None and state.version > sent.base_version:
-                state.sent, state.sent_marks = None, None  # its round committed: nothing to replay
+                state.forget_push()  # its round committed
                 # Steps trained between the push and this install belong to the next push of this
                 # fragment: each step is counted once per fragment, however long the round took.
                 if marks is not None:

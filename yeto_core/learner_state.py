@@ -42,8 +42,9 @@ class FragmentState:
         if self.bcast is None or msg.version >= self.bcast[0].version:
             self.bcast = (msg, values)
 
-    def confirm_push(self) -> None:
-        """The push's round committed (with it or without it): nothing is left to replay."""
+    def forget_push(self) -> None:
+        """Nothing is left to replay: the push's round committed (with it or without it), or the
+        base it was computed on moved on."""
         self.sent, self.sent_marks = None, None
 
     def bcast_arrived_after(self, version: int) -> bool:
