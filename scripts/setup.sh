@@ -3,6 +3,8 @@
 # it runs again when the files that shape the install change (the start-up .pth line comes from autoattach.py).
 # torch is pinned first: 2.13.0 is the CPU build; the project's torch range accepts it,
 # so pip does not pull another torch afterwards. Users on GPU machines keep their own torch.
+# verl pins transformers below the version the hf extra installs, so it gets a venv of its own,
+# .venv-verl, where the verl tests run (tests/rl/verl, started by tests/test_verl_venv.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,9 +13,38 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.yeto-setup
 want="$(cat pyproject.toml setup.py scripts/setup.sh yeto_plugins/autoattach.py | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,megatron,deepspeed,plot,dev]"
+  echo "$want" >"$stamp"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,megatron,deepspeed,plot,dev]"
-echo "$want" >"$stamp"
+
+# The status page's browser test (tests/integration/test_status_page.py) drives Debian's chromium
+# through its chromedriver; browsers that download themselves cannot run here.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    sudo=""
+    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then sudo="sudo -n"; fi
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get install -y -q chromium chromium-driver >/dev/null ||
+      { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium chromium-driver >/dev/null; } ||
+      echo "setup.sh: could not install chromium and chromium-driver; the status page's browser test will fail" >&2
+  else
+    echo "setup.sh: no apt-get to install chromium and chromium-driver; the status page's browser test will fail" >&2
+  fi
+fi
+
+if [ ! -x .venv-verl/bin/python ]; then
+  "$PY" -m venv .venv-verl
+fi
+verl_stamp=.venv-verl/.yeto-setup
+if [ ! -f "$verl_stamp" ] || [ "$(cat "$verl_stamp")" != "$want" ]; then
+  echo "torch==2.13.0" >.venv-verl/constraints.txt  # whatever asks for torch gets this one
+  .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+  # Never verl with an extra: every extra, even cpu, pins another torch. uvicorn and fastapi are
+  # imported by verl's workers but missing from its base requirements.
+  .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-verl/constraints.txt \
+    "verl==0.9.1" uvicorn fastapi
+  .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-verl/constraints.txt -e ".[dev]"
+  echo "$want" >"$verl_stamp"
+fi

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from yeto_core.conductor import FIRST_STORE_OP, ConductedStore
 from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
 from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
-from yeto_core.store import blend_into, check_fragment_values
+from yeto_core.store import blend_into, check_fragment_values, fragment_buffer
 
 GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
 
@@ -108,7 +108,7 @@ class ProcessGroupStore(ConductedStore):
                 full = self._full(self.params[slot.name])
                 if self.rank == 0:
                     parts.append(full.reshape(-1).float())
-        return torch.cat(parts) if self.rank == 0 else None
+        return torch.cat(parts, out=fragment_buffer(sum(p.numel() for p in parts))) if self.rank == 0 else None
 
     @staticmethod
     def _full(p: torch.Tensor) -> torch.Tensor:

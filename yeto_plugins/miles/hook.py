@@ -1,0 +1,124 @@
+"""The Megatron side of a Miles island: Miles' before-train-step hook, and the sweep an actor runs.
+
+Miles (radixark/miles at 31f1ca9) calls the function named by
+``--custom-megatron-before-train-step-hook-path`` in every training rank as
+``fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)``, after zeroing the grads
+and before the forward pass (``miles/backends/megatron_utils/model.py:455-461``), then runs the
+forward/backward, ``optimizer.step()`` (``:624``, its success asserted at ``:627``) and
+``opt_param_scheduler.step`` (``:628``). ``step_id`` counts from 0 within each rollout (``:776``).
+There is no after-step hook, so the first call wraps ``optimizer.step`` on this rank: every
+successful step is accounted right after it happened, the run's last one included, and a final cut
+installed there is in the weights before Miles backs them up (``actor.py:595-596``).
+
+The trap this module guards against: Miles' rollout and next training pass read a CPU backup of
+the actor's weights (``TensorBackuper``, ``miles/utils/tensor_backper.py``), not the live model:
+``train_actor`` restores it into the parameters before training (``actor.py:522``) and the
+colocated updater sends it to the engine (``update_weight_from_tensor.py:263``). Installs inside
+the training steps land before Miles' own ``backup("actor")`` (``actor.py:596``); an install after
+it (a sweep after ``train``, before ``update_weights``) must refresh the backup, or the rollout gets
+the pre-merge policy and the next training pass silently reverts the merge (`MilesIsland.sweep`).
+
+Tokens: Miles counts samples, not tokens, per step (``args.global_batch_size``, or
+``rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout``); a step is accounted as
+that many samples × ``args.seq_length``, an upper bound in the same unit on every Miles island.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from yeto_core.settings import LearnerSettings, load_settings
+from yeto_plugins.megatron.sync import MegatronDiLoCoSync
+
+log = logging.getLogger("yeto.miles")
+
+_ISLAND: MilesIsland | None = None  # one per training process (a Miles actor rank)
+
+
+def before_train_step(args: Any, rollout_id: int, step_id: int, model: Sequence[Any], optimizer: Any,
+                      opt_param_scheduler: Any) -> None:
+    """Miles' hook (signature of ``model.py:461``). The first call joins the island on every rank."""
+    global _ISLAND
+    if _ISLAND is None:
+        _ISLAND = MilesIsland(args, model, optimizer)
+    _ISLAND.at_step(rollout_id, step_id)
+
+
+def current() -> MilesIsland:
+    """The island this process joined through the hook (a sweep runs after the first training step)."""
+    if _ISLAND is None:
+        raise RuntimeError("yeto: no Miles island in this process: set --custom-megatron-before-train-step-hook-path "
+                           "yeto_plugins.miles.hook.before_train_step")
+    return _ISLAND
+
+
+def steps_per_rollout(args: Any) -> int:
+    """Optimizer steps per rollout, as Miles derives them (``data.py:464-466``, ``arguments.py:3431-3439``)."""
+    if getattr(args, "num_steps_per_rollout", None):
+        return int(args.num_steps_per_rollout)
+    return max(1, int(args.rollout_batch_size) * int(args.n_samples_per_prompt) // int(args.global_batch_size))
+
+
+def tokens_per_step(args: Any) -> int:
+    return int(args.global_batch_size) * int(args.seq_length)
+
+
+class MilesIsland:
+    """The island's `MegatronDiLoCoSync` on this rank, driven at Miles' step and rollout boundaries."""
+
+    def __init__(self, args: Any, model: Sequence[Any], optimizer: Any,
+                 settings: LearnerSettings | None = None) -> None:
+        self.args = args
+        self.settings = settings if settings is not None else load_settings(LearnerSettings)
+        self.sync = MegatronDiLoCoSync(list(model), optimizer, self.settings)
+        self.final = False  # the final cut is installed: later steps leave the weights as they are
+        self.finished = False
+        self.at: tuple[int, int] = (0, 0)  # (rollout_id, step_id) of the step under way
+        self.sync.start()
+        self._real_step = optimizer.step
+        optimizer.step = self._step  # Miles has no after-step hook: the step itself reports back
+
+    # -- Miles' calls ----------------------------------------------------------------------------
+    def at_step(self, rollout_id: int, step_id: int) -> None:
+        self.at = (rollout_id, step_id)
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.final:  # Miles asserts success (model.py:627); the weights stay the final cut
+            return True, 0.0, 0
+        outcome = self._real_step(*args, **kwargs)
+        if outcome[0]:
+            self.final = self.sync.step(tokens_per_step(self.args))
+            if not self.final and not self.sync.settings.sweeps and self.last_step_of_run():
+                self._finish()  # streaming: the run's last step; the backup after it holds the final cut
+        return outcome
+
+    def sweep(self, rollout_id: int, backuper: Any | None) -> bool:
+        """Every fragment swept (rl_mode sweep|overlap) right after `rollout_id`'s training, the final cut
+        asked for after the run's last rollout, then the backup refreshed (`backuper`, when Miles
+        keeps one) so that the rollout and the next training pass see what was installed. Every
+        rank calls it. True once the final cut is installed."""
+        if not self.final and self.sync.settings.sweeps:
+            self.final = self.sync.sweep()
+        if not self.final and rollout_id >= int(self.args.num_rollout) - 1:
+            self._finish()
+        if backuper is not None:
+            backuper.backup("actor")
+        return self.final
+
+    def last_step_of_run(self) -> bool:
+        rollout_id, step_id = self.at
+        return rollout_id >= int(self.args.num_rollout) - 1 and step_id >= steps_per_rollout(self.args) - 1
+
+    def close(self) -> None:
+        self.sync.close()
+
+    def _finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.final = self.sync.finish()
+        stats = self.sync.stats
+        log.warning("yeto: the run's last step: final cut %s (%d pushes, %d installs)",
+                    "installed" if self.final else "NOT installed", stats.pushes, stats.installs)

@@ -1,0 +1,150 @@
+"""`YetoTrainingWorker`: verl's actor training worker, with its island's DiLoCo learner inside.
+
+verl 0.9.1's `ActorRolloutRefWorker` builds its actor as `self.actor_worker_cls(config=...)`
+(`verl/workers/engine_workers.py:644`), then calls `reset()` (`:645`, which initializes the
+engine), and per RL iteration `update_actor` → `self.actor.train_mini_batch` (`:713-716`), which
+runs `train_batch` once per optimizer step (`:314`); the driver then pushes the actor's live
+parameters to the rollout engine with `update_weights` (`:728`, reading
+`engine.get_per_tensor_param()`). This subclass hooks the same three methods, on every rank:
+
+* `reset`: once the engine is built, the island joins the syncer and installs the initial cut,
+  so the first rollout already runs the run's initial policy;
+* `train_batch`: one optimizer step of `global_token_num` tokens (all-gathered over DP, `:291-303`)
+  is accounted; with `rl_mode=stream` that is the ordinary DiLoCo boundary (a fragment every
+  H/P steps), with `sweep`/`overlap` the step is only counted;
+* `train_mini_batch`: at the end of each RL iteration, before `update_weights`, `sweep` and
+  `overlap` sweep every fragment (`IslandSession.sweep`); on the last iteration (verl's
+  `total_training_steps`, which its driver sets to the number of iterations) the island asks for
+  the final cut and installs it, so the last `update_weights` and checkpoint carry it.
+
+Every install writes the engine's own parameters in place (FSDP2 `DTensor` shards through
+`ProcessGroupStore`, or Megatron's fp32 masters and parameters through `MegatronDiLoCoSync`), so
+`update_weights` hands the rollout exactly what the island holds and the optimizer's moments are
+kept. Once the final cut is in, later optimizer steps run with learning rate 0: verl's driver
+runs its remaining iterations, and the final weights stay what the rollout serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, ClassVar
+
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+from yeto_core.island import IslandSession
+from yeto_core.settings import LearnerSettings, SettingsError, load_settings
+from yeto_plugins.torch_dist.modules import embedding_names, logit_probe, synced_parameters
+from yeto_plugins.torch_dist.store import ProcessGroupStore
+
+log = logging.getLogger("yeto.verl")
+
+ON_TRAIN_MESH = make_nd_compute_dataproto_dispatch_fn(mesh_name="train")  # as TrainingWorker's own methods
+
+
+def attach() -> None:
+    """Make the actor of every `ActorRolloutRefWorker` built from now on a `YetoTrainingWorker`.
+    Settings that do not validate are kept and raised when the actor is built."""
+    try:
+        YetoTrainingWorker.settings = load_settings(LearnerSettings)
+    except SettingsError as exc:
+        YetoTrainingWorker.settings_error = exc
+        print(f"yeto: {exc}", file=sys.stderr, flush=True)
+    ActorRolloutRefWorker.actor_worker_cls = YetoTrainingWorker
+
+
+def is_megatron(engine: Any) -> bool:
+    return any(cls.__name__ == "MegatronEngine" for cls in type(engine).__mro__)
+
+
+class YetoTrainingWorker(TrainingWorker):
+    settings: ClassVar[LearnerSettings | None] = None
+    settings_error: ClassVar[SettingsError | None] = None
+
+    def __init__(self, config: Any) -> None:
+        if self.settings_error is not None:
+            raise self.settings_error
+        if self.settings is None:
+            raise SettingsError("YetoTrainingWorker is attached by yeto_plugins.verl.entry (set YETO_DILOCO_*)")
+        super().__init__(config)
+        self.island: IslandSession | None = None
+        self.iterations = 0
+        self.final = False  # the final cut is installed: the weights stay as they are
+
+    # -- the hooks -----------------------------------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reset(self) -> None:
+        super().reset()
+        if self.island is None:
+            with self.engine.train_mode():  # the parameters where the engine trains them (not offloaded)
+                self.island = self._join()
+
+    @register(dispatch_mode=ON_TRAIN_MESH, blocking=False)
+    def train_batch(self, data: Any) -> Any:
+        tokens = sum(tu.get(data, key="global_token_num") or ())
+        if self.final:
+            self._hold_weights()
+        output = super().train_batch(data)
+        if not self.final and self.island is not None:
+            self.final = self.island.step(int(tokens))
+            if self.final:
+                log.warning("yeto: final cut installed at iteration %d; the remaining steps leave the weights as "
+                            "they are", self.iterations + 1)
+        return output
+
+    @register(dispatch_mode=ON_TRAIN_MESH, blocking=False)
+    def train_mini_batch(self, data: Any) -> Any:
+        output = super().train_mini_batch(data)
+        self.iterations += 1
+        island, settings = self.island, self.settings
+        assert settings is not None
+        if island is None or self.final:
+            return output
+        total = self.optimizer_config.total_training_steps
+        last = total is not None and 0 < total <= self.iterations
+        with self.engine.train_mode():
+            if settings.sweeps:
+                self.final = island.sweep()
+            if last and not self.final:
+                self.final = island.finish()
+        if last:
+            stats = island.stats
+            log.warning("yeto: last iteration %d: final cut %s (%d pushes, %d installs)", self.iterations,
+                        "installed" if stats.final_installed else "NOT installed", stats.pushes, stats.installs)
+            island.close()
+        return output
+
+    # -- internals -----------------------------------------------------------------------------
+    def _join(self) -> IslandSession:
+        settings = self.settings
+        assert settings is not None
+        engine = self.engine
+        if is_megatron(engine):  # verl's Megatron engine: the same core as ms-swift's (GPU only)
+            from yeto_plugins.megatron.sync import MegatronDiLoCoSync
+
+            island = MegatronDiLoCoSync(engine.module, engine.optimizer, settings).island
+        else:
+            strategy = getattr(self.engine_config, "strategy", None)
+            if strategy != "fsdp2":
+                raise SettingsError(f"yeto's verl worker reads and writes FSDP2 (DTensor) or Megatron parameters; "
+                                    f"this actor runs strategy {strategy!r}: set actor_rollout_ref.actor.strategy="
+                                    "fsdp2")
+            module = engine.module
+            named = synced_parameters(module, settings.tuning)
+            store = ProcessGroupStore(named, embedding_names(module), settings.island)
+            probe = logit_probe(module, settings.consensus_tokens) if settings.consensus_every else None
+            island = IslandSession(settings, store=store, probe=probe)
+        total = self.optimizer_config.total_training_steps
+        if total is None or total <= 0:
+            log.warning("yeto: verl set no total_training_steps: the island gets the final cut only when the syncer "
+                        "ends the run")
+        island.start()
+        return island
+
+    def _hold_weights(self) -> None:
+        """After the final cut: the optimizer steps with learning rate 0, so the parameters stay
+        bit for bit what they are (its scheduler sets the rate again after every step)."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = 0.0
