@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
-from syncer.checkpoint import CheckpointError
+from syncer.checkpoint import CheckpointError, SyncerState
 from syncer.leases import Leases
-from syncer.run_state import RunState
 from syncer.snapshots import CheckpointWriter
+from syncer.tape import EventTape
+from yeto_core.faults import FaultInjector
 
 log = logging.getLogger("yeto.syncer")
 
@@ -29,39 +31,43 @@ class DurabilityLost(Exception):
 
 
 class Checkpointing:
-    def __init__(self, run: RunState, leases: Leases) -> None:
-        self.shared = run
-        path = run.settings.checkpoint
-        self.writer = (CheckpointWriter(path, background=run.settings.background_checkpoint, leases=leases,
-                                        progress=self.show_progress, faults=run.faults)
+    """Writes to `path` (None: no checkpoints, every save is a no-op); failures go on the `tape`."""
+
+    def __init__(self, path: Path | None, *, background: bool, retry_s: float, leases: Leases, tape: EventTape,
+                 faults: FaultInjector) -> None:
+        self.tape = tape
+        self.retry_s = retry_s
+        self._size = 0  # bytes of params and momentum of the last state saved
+        self.writer = (CheckpointWriter(path, background=background, leases=leases, progress=self.show_progress,
+                                        faults=faults)
                        if path is not None else None)
 
     def show_progress(self) -> bool:
         # A bar only where someone watches, or where the write takes long enough to wonder about.
-        assert self.shared.state is not None
-        return sum(t.numel() for t in self.shared.state.params) * 8 > PROGRESS_BAR_BYTES or sys.stderr.isatty()
+        return self._size > PROGRESS_BAR_BYTES or sys.stderr.isatty()
 
-    def save(self, *, wait: bool = False) -> float | None:
+    def save(self, state: SyncerState | None, *, wait: bool = False) -> float | None:
         """Checkpoint the committed state; returns how long the coordinator was held (ms).
 
         Durable or stop. A failed write (this one, or the background write before it) is retried
         synchronously, with backoff, while the coordinator holds every round: nothing is
         committed or broadcast meanwhile, and the learners train on locally. The previous file
         stays valid throughout. Past `checkpoint_retry_s` it raises `DurabilityLost`."""
-        if self.writer is None or self.shared.state is None:
+        if self.writer is None or state is None:
             return None
+        self._size = sum(t.numel() for t in state.params) * 8
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.shared.settings.checkpoint_retry_s
+        deadline = time.monotonic() + self.retry_s
         delay, failures = RETRY_FIRST_S, 0
         while True:
             try:
-                held = self.writer.save(self.shared.state, wait=wait)
+                held = self.writer.save(state, wait=wait)
             except CheckpointError as exc:
                 failures += 1
-                self.shared.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
+                self.tape.append({"event": "checkpoint_failed", "reason": str(exc)})
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    retry = self.shared.settings.checkpoint_retry_s
+                    retry = self.retry_s
                     raise DurabilityLost(f"{exc}; no checkpoint could be written in {retry:g} s "
                                          "(--checkpoint-retry-s), so the syncer stops: nothing after the previous "
                                          "checkpoint is durable") from exc
@@ -73,6 +79,6 @@ class Checkpointing:
             if failures:
                 log.warning("checkpoint %s written after %d failed attempt%s; rounds go on", self.writer.path,
                             failures, "" if failures == 1 else "s")
-                self.shared.tape.append({"event": "checkpoint_recovered", "failures": failures})
+                self.tape.append({"event": "checkpoint_recovered", "failures": failures})
                 return (time.perf_counter() - t0) * 1000
             return held

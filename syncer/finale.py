@@ -8,20 +8,18 @@ from __future__ import annotations
 import logging
 
 from syncer.checkpoint import tokens_by_learner
-from syncer.checkpointing import Checkpointing
+from syncer.effects import Checkpoint, FaultPoint, Log
 from syncer.links import Link, Phase
 from syncer.outbox import Outbox
 from syncer.run_state import RunState
-from yeto_core.faults import FAULT_SEND_WAIT_S
 
 log = logging.getLogger("yeto.syncer")
 
 
 class Finale:
-    def __init__(self, run: RunState, outbox: Outbox, checkpoints: Checkpointing) -> None:
+    def __init__(self, run: RunState, outbox: Outbox) -> None:
         self.shared = run
         self.outbox = outbox
-        self.checkpoints = checkpoints
         self.deadline = 0.0
         # Learners a finalizing syncer waits for even while they are not connected, until the
         # deadline: those that trained and lost their link without saying goodbye before the
@@ -63,22 +61,21 @@ class Finale:
         assert state is not None
         for entry in run.rounds.abandon_all("finalizing"):
             if entry.attempt is not None:
-                run.tape.append({"event": "abandon", "round": entry.round, "attempt": entry.attempt.attempt,
+                run.record({"event": "abandon", "round": entry.round, "attempt": entry.attempt.attempt,
                                  "reason": "finalizing"})
         state.finalized = True
         if save:
-            self.checkpoints.save(wait=True)  # durable before any FINAL goes out
-            run.tape.append({"event": "final", "rounds": state.next_round, "versions": state.versions,
+            run.emit(Checkpoint(wait=True))  # durable before any FINAL goes out
+            run.record({"event": "final", "rounds": state.next_round, "versions": state.versions,
                              "reason": reason, "ledger": dict(state.ledger)})
-        log.info("finalizing after %d rounds: %s; sending the final cut to %d learners", state.next_round,
-                 reason, len(run.links))
+        run.emit(Log(f"finalizing after {state.next_round} rounds: {reason}; sending the final cut to "
+                     f"{len(run.links)} learners"))
         run.phase = Phase.FINALIZING
-        self.deadline = run.clock() + run.settings.final_timeout_s
+        self.deadline = run.now + run.settings.final_timeout_s
         links = list(run.links.values())
         if len(links) < 2:
-            run.faults.point("mid-final")
+            run.emit(FaultPoint("mid-final"))
         for n, link in enumerate(links):
-            some = n == 0 and len(links) > 1
-            self.outbox.send_final(link, wait_s=FAULT_SEND_WAIT_S if some and run.faults.armed("mid-final") else 0.0)
-            if some:
-                run.faults.point("mid-final")
+            self.outbox.send_final(link)
+            if n == 0 and len(links) > 1:  # the point falls between the first learner's cut and the others'
+                run.emit(FaultPoint("mid-final", drain=True))

@@ -1,25 +1,23 @@
-"""The coordinator's vocabulary: its phases, its view of a learner's link, a carried push, and how
+"""The protocol's vocabulary: its phases, its view of a learner's link, a carried push, and how
 settings become scheduler config and a merge-backend id."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from syncer.effects import Peer
 from syncer.rounds import SchedulerConfig
 from yeto_core.codecs import F32, Codec
 from yeto_core.sections import MergeSettings
 from yeto_core.settings import SyncerSettings
-from yeto_core.wire.messages import Push
-from yeto_core.wire.transport import ConnectionGroup
+from yeto_core.wire.messages import HELLO_SWEEP_OVERLAP, HELLO_SWEEPS, Push
 
 
 def backend_id(s: MergeSettings) -> str:
     """Names the merge math a checkpoint was made with; --resume refuses a different one."""
     outer = "nesterov" if s.outer_optimizer == "nesterov" else f"delayed-nesterov{s.outer_delay}"
     return f"{s.merge}-{s.delta_correction}-{outer}-v1"
-
-
 
 
 class Phase(enum.Enum):
@@ -31,20 +29,24 @@ class Phase(enum.Enum):
 
 @dataclass
 class Link:
+    """A connected learner as the protocol knows it; the shell holds its connection group."""
+
     learner_id: int
     generation: int
-    group: ConnectionGroup
     fingerprint: bytes
     codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
     bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
     consensus: bool = False  # takes CONSENSUS messages (HELLO_CONSENSUS)
-    finished: bool = False
     final_sent: bool = False
     acked: bool = False
     overlap: bool = False  # rebases on its merged pushes (DESIGN §3.3, §4.6): its late pushes are refused, not carried
     said_bye: bool = False  # left on purpose: a finalizing syncer does not wait for it to return
     instance: bytes = b""  # the learner process's HELLO.instance (all zeros: it named none)
-    peer: str = ""  # where its control stream connects from
+    address: str = ""  # where its control stream connects from
+
+    @property
+    def peer(self) -> Peer:
+        return Peer(self.learner_id, self.generation)
 
 
 @dataclass(frozen=True)
@@ -67,20 +69,34 @@ def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
     )
 
 
-@dataclass
-class InitProgress:
-    received: set[int] = field(default_factory=set)
-
-
-def id_conflict(holder: Link | None, instance: bytes) -> str | None:
+def id_conflict(holder: Link | None, instance: bytes, *, holder_closed: bool, holder_silent_s: float) -> str | None:
     """Why process `instance` may not take the id `holder` holds, or None.
 
     An id is taken while a live connection group of another process holds it. A group whose peer
     went silent past the peer timeout closes itself and frees the id, so a restarted process takes
     it over; a redial of the holder itself (the same instance) is welcome, and peers that name no
     instance (all zeros) are never told apart."""
-    if holder is None or holder.group.closed or not any(instance) or holder.instance == instance:
+    if holder is None or holder_closed or not any(instance) or holder.instance == instance:
         return None
-    return (f"learner id {holder.learner_id} is held by another live process, connected from {holder.peer} "
-            f"(generation {holder.generation}, heard from {holder.group.silent_s:.1f} s ago); give each island "
+    return (f"learner id {holder.learner_id} is held by another live process, connected from {holder.address} "
+            f"(generation {holder.generation}, heard from {holder_silent_s:.1f} s ago); give each island "
             "its own YETO_DILOCO_LEARNER_ID")
+
+
+def layout_mismatch(learner_id: int, theirs: bytes, ours: bytes) -> str:
+    return (f"layout fingerprint mismatch: learner {learner_id} has {theirs.hex()[:16]}…, the syncer's model has "
+            f"{ours.hex()[:16]}… (different model, tensor names, shapes, dtypes or fragment assignment)")
+
+
+def sweep_problem(flags: int, *, fragments: int, pipeline: int, sync_interval_steps: int) -> str | None:
+    """Why a learner that sweeps (its HELLO `flags`: RL iterations, DESIGN §3.4) cannot work with
+    this syncer's schedule, or None. A sweep answers every fragment's PULL at once, so rounds must
+    not be paced by learner steps; one that trains on while they merge needs them all in flight."""
+    problems = []
+    if flags & HELLO_SWEEPS and sync_interval_steps:
+        problems.append(f"--sync-interval-steps {sync_interval_steps} paces rounds by learner steps, and a learner "
+                        "that sweeps (YETO_DILOCO_RL_MODE=sweep|overlap) needs them unpaced: --sync-interval-steps 0")
+    if flags & HELLO_SWEEP_OVERLAP and pipeline < fragments:
+        problems.append(f"--pipeline {pipeline} keeps fewer rounds in flight than the {fragments} fragments a sweep "
+                        f"pushes, and YETO_DILOCO_RL_MODE=overlap needs them all: --pipeline {fragments}")
+    return "; ".join(problems) or None

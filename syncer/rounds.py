@@ -27,6 +27,14 @@ import enum
 
 import torch
 
+EMA = 0.3  # weight of the newest sample in the ξ estimates
+
+
+def smoothed(old: float | None, sample: float) -> float:
+    """A ξ estimate (step time, sync time) after one more sample: an exponential moving average
+    that the first sample starts."""
+    return sample if old is None else (1 - EMA) * old + EMA * sample
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -98,6 +106,12 @@ def attempt_quorum(quorum: int, learners: int, finished: int) -> int:
 
 def fragment_of_round(round_id: int, num_fragments: int) -> int:
     return round_id % num_fragments
+
+
+def last_of_fragment(round_id: int, num_fragments: int, total_rounds: int) -> bool:
+    """Round `round_id` is the last that merges its fragment: the run stops after `total_rounds`
+    (0: it never stops on its own)."""
+    return bool(total_rounds) and round_id + num_fragments >= total_rounds
 
 
 def pipeline_depth(pipeline: int, num_fragments: int) -> int:

@@ -1,23 +1,24 @@
-"""What the coordinator's parts share and none of them owns: the committed model state, the layout
-it is split by, the learners connected, the rounds in flight and the phase of the run.
+"""What the protocol's parts share and none of them owns: the committed model state, the layout it
+is split by, the learners connected, the rounds in flight, the phase of the run, the time of the
+event being handled, and the effects decided so far in this turn.
 
-The coordinator writes it on its actor thread, the only thread that does; its parts (intake,
-outbox, finale, checkpointing) read and write it through one `RunState` handed to each, so
-every shared field is named in one place instead of being declared by every part that uses it.
+The protocol writes it on the coordinator's thread, the only thread that does; its parts
+(intake, outbox, finale) read and write it through one `RunState` handed to each, so every
+shared field is named in one place instead of being declared by every part that uses it. They
+never act on the world themselves: they `emit` effects, which `SyncerProtocol.handle` returns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from syncer.checkpoint import SyncerState
 from syncer.consensus import ConsensusBoard
+from syncer.effects import Effect, Record
 from syncer.links import Link, Phase
 from syncer.round_table import RoundTable
-from syncer.tape import EventTape
 from yeto_core.downlink import DownlinkEncoder
-from yeto_core.faults import FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.settings import SyncerSettings
 
@@ -25,9 +26,7 @@ from yeto_core.settings import SyncerSettings
 @dataclass
 class RunState:
     settings: SyncerSettings
-    tape: EventTape
-    clock: Callable[[], float]
-    faults: FaultInjector
+    now: float = 0.0  # the time of the event being handled (the shell's clock)
     links: dict[int, Link] = field(default_factory=dict)  # learner id -> its live connection
     rounds: RoundTable = field(default_factory=RoundTable)
     finished: set[int] = field(default_factory=set)  # learners that said DONE
@@ -36,3 +35,11 @@ class RunState:
     layout: Layout | None = None
     downlink: DownlinkEncoder | None = None  # set with the layout
     consensus: ConsensusBoard | None = None  # the learners' probe summaries (DESIGN §8)
+    effects: list[Effect] = field(default_factory=list)  # decided in this turn, in order
+
+    def emit(self, effect: Effect) -> None:
+        self.effects.append(effect)
+
+    def record(self, record: dict[str, Any]) -> None:
+        """An event tape record, in the order of everything else this turn does."""
+        self.effects.append(Record(record))

@@ -2,7 +2,7 @@
 
 Every accepted stream is greeted with a CHALLENGE (fresh nonce, fragment count, pattern). A
 control stream answers HELLO; a data stream answers ATTACH with the token from WELCOME. Nothing
-here touches global state: a finished group becomes a `Joined` event for the coordinator, and
+here touches global state: a finished group becomes a `Connected` event for the coordinator, and
 everything it receives becomes `Got` / `Left` events. Refusals (wrong key, layout, contract,
 malformed first frame) get one ERROR frame with the reason, then the socket is closed; the
 listener keeps serving everyone else. Until a connection proves the key, `gate.HandshakeGate`
@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from syncer.events import Got, Joined, Left
+from syncer.events import Connected, Got, Joined, Left
 from syncer.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, BurstLog, HandshakeGate, Unauthenticated
+from syncer.links import layout_mismatch
 from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
@@ -83,6 +84,7 @@ class SyncerServer:
         max_payload: Callable[[], int],
         initial_cut_ready: Callable[[], bool],
         id_conflict: Callable[[int, bytes], str | None] = lambda learner_id, instance: None,
+        schedule_problem: Callable[[int], str | None] = lambda flags: None,
         handshake_timeout_s: float = 10.0,
         max_handshakes: int = 64,
         heartbeat_s: float = 2.0,
@@ -92,8 +94,10 @@ class SyncerServer:
         generations: dict[int, int] | None = None,
         screen: Screen | None = None,
         faults: FaultInjector = NO_FAULTS,
+        on_refused: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self._key = key
+        self._on_refused = on_refused  # each connection turned away before it joined, by reason (the metrics)
         self._faults = faults  # passed to every connection group (the mid-stripe point)
         self._screen = screen  # checks bulk payloads chunk by chunk as they land (`payload.payload_screen`)
         self._schedule = schedule
@@ -105,6 +109,7 @@ class SyncerServer:
         self._max_payload = max_payload
         self._initial_cut_ready = initial_cut_ready
         self._id_conflict = id_conflict
+        self._schedule_problem = schedule_problem  # why a HELLO's flags do not fit the round schedule
         self._handshake_timeout_s = handshake_timeout_s
         self._heartbeat_s = heartbeat_s
         self._peer_timeout_s = peer_timeout_s
@@ -175,8 +180,10 @@ class SyncerServer:
     def _admit(self, sock: socket.socket, host: str, peer: str) -> None:
         entry, evicted = self._gate.admit(sock, peer, host)
         if evicted is not None:
+            self._on_refused("crowd")
             self._crowd.hit(f"cut {evicted.peer} (open {time.monotonic() - evicted.started:.1f} s) to admit {peer}")
         if entry is None:
+            self._on_refused("crowd")
             self._crowd.hit(f"closed {peer} at once")
             sock.close()
             return
@@ -207,11 +214,13 @@ class SyncerServer:
             else:
                 raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected HELLO or ATTACH, got {first.TYPE.name}")
         except HandshakeRefused as exc:
+            self._on_refused(exc.code.name.lower())
             log.warning("refused %s: %s", stream.name, exc.reason)
             with contextlib.suppress(OSError):
                 stream.send_frame(Error(exc.code, exc.reason))
             linger_close(stream)
         except (WireError, OSError) as exc:
+            self._on_refused("deadline" if entry.cut else "broken")
             if entry.cut:  # the gate closed it; the gate's burst log has said so
                 log.debug("handshake with %s cut: %s", stream.name, exc)
             else:
@@ -221,6 +230,7 @@ class SyncerServer:
                     stream.send_frame(Error(ErrorCode.PROTOCOL, f"handshake failed: {exc}"))
             stream.close()
         except Exception as exc:  # a bug here must still answer the peer and free the socket
+            self._on_refused("error")
             log.exception("handshake with %s failed", stream.name)
             with contextlib.suppress(OSError):
                 stream.send_frame(Error(ErrorCode.PROTOCOL, f"syncer error during handshake: {exc}"))
@@ -268,6 +278,9 @@ class SyncerServer:
                                    f"(1..{MAX_PUSH_BLOCK})")
         if not 1 <= hello.data_streams <= 64:
             raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for {hello.data_streams} data streams (1..64)")
+        unfit = self._schedule_problem(hello.flags)
+        if unfit is not None:
+            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who}: {unfit}")
         pinned = self._pinned()
         if pinned is not None and pinned != hello.fingerprint:
             raise HandshakeRefused(ErrorCode.LAYOUT, layout_mismatch(hello.learner_id, hello.fingerprint, pinned))
@@ -348,8 +361,8 @@ class SyncerServer:
             heartbeat_s=self._heartbeat_s, peer_timeout_s=self._peer_timeout_s, stall_timeout_s=self._stall_timeout_s,
             schedule=self._schedule, faults=self._faults,
         )
-        self._post(Joined(lid, gen, group, p.hello.fingerprint, p.hello.wire_dtype, p.manifest, p.hello.flags,
-                          p.hello.push_block, p.hello.instance, p.control.name))
+        self._post(Connected(group, Joined(lid, gen, p.hello.fingerprint, p.hello.wire_dtype, p.manifest,
+                                           p.hello.flags, p.hello.push_block, p.hello.instance, p.control.name)))
         group.start()
 
     def _expire_pending(self) -> None:
@@ -386,7 +399,3 @@ def linger_close(stream: Stream, *, seconds: float = 2.0, limit: int = 64 << 20)
             drained += len(chunk)
     stream.close()
 
-
-def layout_mismatch(learner_id: int, theirs: bytes, ours: bytes) -> str:
-    return (f"layout fingerprint mismatch: learner {learner_id} has {theirs.hex()[:16]}…, the syncer's model has "
-            f"{ours.hex()[:16]}… (different model, tensor names, shapes, dtypes or fragment assignment)")

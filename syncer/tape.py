@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -69,6 +69,7 @@ class EventTape:
         self._held: collections.deque[bytes] = collections.deque()
         self._lost = 0  # held records dropped for room since the tape was last written
         self._failing = False
+        self.listeners: list[Callable[[Mapping[str, Any]], None]] = []  # e.g. the metrics (syncer/metrics.py)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._repair_tail(self.path)
@@ -106,11 +107,14 @@ class EventTape:
 
     def append(self, record: Mapping[str, Any]) -> None:
         """Write one record durably; adds ``"t"`` (unix time, seconds) when the record has none.
-        If the file cannot be written, the record is held and written with the next one that can."""
-        if self.path is None:
-            return
+        If the file cannot be written, the record is held and written with the next one that can.
+        Every listener sees the record first (with or without a file)."""
         if "t" not in record:
             record = {**record, "t": time.time()}
+        for listener in self.listeners:
+            listener(record)
+        if self.path is None:
+            return
         line = _encode(record)
         with self._lock:
             if self._fd is None:

@@ -41,6 +41,8 @@ from yeto_core.wire.messages import (
     HELLO_CONSENSUS,
     HELLO_OVERLAP,
     HELLO_SENDS_MANIFEST,
+    HELLO_SWEEP_OVERLAP,
+    HELLO_SWEEPS,
     INSTANCE_BYTES,
     Attach,
     Bcast,
@@ -59,6 +61,8 @@ from yeto_core.wire.messages import (
     Welcome,
 )
 from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, tune_socket
+
+SWEEP_FLAGS = {"stream": 0, "sweep": HELLO_SWEEPS, "overlap": HELLO_SWEEPS | HELLO_SWEEP_OVERLAP}  # by rl_mode
 
 log = logging.getLogger("yeto.client")
 
@@ -218,6 +222,7 @@ class SyncerClient:
             sends_manifest = self._sends_init
             flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
             flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.link.overlap else 0)
+            flags |= SWEEP_FLAGS[self.link.rl_mode]
             block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
             hello = Hello(self.learner_id, self.link.data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
                           flags, client_nonce, push_block=block, instance=self.instance)

@@ -31,6 +31,7 @@ from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
 T = TypeVar("T")
 NOP, PLAN, END, ERROR, PROBE = 0, 1, 2, 3, 4
 FIRST_STORE_OP = 8  # stores number their own ops from here
+_RETIRED: list[Any] = []  # closed islands' gloo groups, kept open until the process exits (`Conductor.close`)
 
 
 class IslandError(RuntimeError):
@@ -48,6 +49,7 @@ class Conductor:
         self._plans: dict[int, Any] = {}
         self._plan_ids: dict[Any, int] = {}
         self._last_op = time.monotonic()
+        self._closed = False
 
     @property
     def leads(self) -> bool:
@@ -129,11 +131,19 @@ class Conductor:
                 raise IslandError(f"unknown op {op} from rank 0 of the island")
 
     def close(self) -> None:
-        """Every rank calls it: a barrier first, so no rank tears the group down while another
-        is still using it (a gloo peer that vanishes mid-operation aborts the process)."""
+        """Every rank calls it: a barrier, so no rank leaves while another still uses the group.
+
+        The group itself is not shut down: a gloo shutdown resets its sockets (SO_LINGER 0), and a
+        rank whose side is still open when the reset lands can abort in gloo's error path
+        (pytorch/gloo#514: SIGABRT formatting the error of a connection the peer reset). The
+        ranks leave the barrier at different moments, so one rank's shutdown could always find
+        the other's side open. Kept until the process exits, the sockets close gracefully."""
+        if self._closed:
+            return
+        self._closed = True
         with contextlib.suppress(RuntimeError):  # a peer already gone: nothing left to wait for
             dist.barrier(group=self.group)
-        dist.destroy_process_group(self.group)
+        _RETIRED.append(self.group)
 
 
 class ConductedStore:

@@ -28,7 +28,7 @@ from yeto_core.codecs import Codec
 from yeto_core.layout import Layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import PushJob
-from yeto_core.store import TensorStore, check_fragment_values, nonfinite_tensor
+from yeto_core.store import TensorStore, check_fragment_values, fragment_buffer, nonfinite_tensor
 from yeto_core.wire.messages import BCAST_MERGED, Bcast, Final, Message, Pull
 
 log = logging.getLogger("yeto.learner")
@@ -48,7 +48,7 @@ class FragmentSync:
         self.layout: Layout | None = None
         self.fragments: list[FragmentState] = []
         self.blocking: frozenset[int] = frozenset()  # fragments waited for at their boundary (Mix2)
-        self.push: PushJob | None = None  # the push last handed to the link, until accounted for
+        self.queued: list[PushJob] = []  # pushes handed to the link and not yet accounted for, oldest first
         self.links = 0  # connections made so far (the syncer's attempt numbers restart with each)
 
     def begin(self, layout: Layout, blocking: frozenset[int]) -> None:
@@ -83,21 +83,23 @@ class FragmentSync:
     def pending_pulls(self) -> list[Pull]:
         return sorted((f.pull for f in self.fragments if f.pull is not None), key=lambda p: (p.round, p.attempt))
 
+    @property
+    def push(self) -> PushJob | None:
+        """The push last handed to the link, until it is found done and accounted for."""
+        return self.queued[-1] if self.queued else None
+
     def push_in_flight(self) -> bool:
-        """Whether the last push is still streaming; if it ended, account for it."""
-        job = self.push
-        if job is None:
-            return False
-        if not job.done.is_set():
-            return True
-        if job.error:
-            self.stats.push_failures += 1
-            log.info("learner %d: push of fragment %d failed (%s)", self.learner_id, job.pull.fragment, job.error)
-        else:
-            self.stats.pushes += 1
-            self.stats.bytes_pushed += job.nbytes
-        self.push = None
-        return False
+        """Whether a push is still streaming; those that ended (they end in order) are accounted for."""
+        while self.queued and self.queued[0].done.is_set():
+            job = self.queued.pop(0)
+            if job.error:
+                self.stats.push_failures += 1
+                log.info("learner %d: push of fragment %d failed (%s)", self.learner_id, job.pull.fragment,
+                         job.error)
+            else:
+                self.stats.pushes += 1
+                self.stats.bytes_pushed += job.nbytes
+        return bool(self.queued)
 
     def pushes_merged(self) -> bool:
         """Every push sent has had its round's BCAST arrive (or installed)."""
@@ -120,15 +122,22 @@ class FragmentSync:
                 return True
         return False
 
+    def owed(self) -> list[int]:
+        """Fragments holding trained steps that no push carries yet, whose next round will come (a
+        sweep waits for its PULL: every fragment's progress of an iteration goes into one round)."""
+        return [i for i, f in enumerate(self.fragments) if not f.closed and f.unpushed(self.stats.steps)]
+
     def flushed(self) -> bool:
         """Every fragment's anchor was installed after the last trained step: each step is in a
         merged round (DONE only then, so the syncer never drops an answer it has not decoded)."""
         return all(f.steps_mark == self.stats.steps or f.anchor is None for f in self.fragments)
 
     # -- pushing -----------------------------------------------------------------------------
-    def boundary(self, step_s: float | None) -> PushJob | None:
-        """Answer the oldest answerable PULL (one push streams at a time); the job, if one went out."""
-        if self.push_in_flight():
+    def boundary(self, step_s: float | None, *, queue: bool = False) -> PushJob | None:
+        """Answer the oldest answerable PULL; the job, if one went out. One push streams at a time,
+        so a boundary reached while one streams holds its pulls; a sweep (`queue`) hands every push
+        to the link's sender at once, which streams them one after another while the next is read."""
+        if self.push_in_flight() and not queue:
             return None  # pulls stay held
         for pull in self.pending_pulls():
             state = self.fragments[pull.fragment]
@@ -143,7 +152,8 @@ class FragmentSync:
             if not self._finite(pull, delta):
                 continue
             job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta)
-            self.push = state.sent = job
+            state.sent = job
+            self.queued.append(job)
             state.sent_link = self.links
             state.sent_marks = (self.stats.tokens, self.stats.steps)
             self._submit(job)
@@ -160,11 +170,12 @@ class FragmentSync:
         if pull.version != sent.base_version or state.version != sent.base_version:
             state.forget_push()  # the base moved on: the old delta no longer applies
             return
-        if self.push_in_flight():
-            return  # the next boundary answers this pull with a fresh delta instead
+        # Queued behind a push still streaming, if any: the link's sender streams them in order. A
+        # replay must not wait for a boundary: a trainer between sweeps reaches none for a while.
         job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta)
         state.pull = None
-        self.push = state.sent = job
+        state.sent = job
+        self.queued.append(job)
         state.sent_link = self.links
         self.stats.replays += 1
         log.info("learner %d: round %d pulled again (attempt %d); pushing the same delta", self.learner_id,
@@ -224,11 +235,21 @@ class FragmentSync:
         sent = state.sent
         merged = sent is not None and sent.base_version == state.version and (
             (bool(msg.flags & BCAST_MERGED) and msg.round == sent.pull.round) or msg.version > sent.base_version + 1)
+        fragment = self.layout.fragments[index]
+        trained = state.sent_marks is None or state.sent_marks[1] != self.stats.steps
+        if merged and not trained and self.codec.name == "f32":
+            # Nothing trained since an exact push (a sweep that waits, a blocking fragment): θ is θ at
+            # the push, and θ − base is zero but for the rounding of anchor + delta. Θ goes in exactly,
+            # so every island that waited holds the same bits. (A lossy push's rounding error is
+            # θ − base here, and goes out with the next push instead.)
+            self.store.install(fragment, values.clone(), 0.0)
+            state.anchor = values
+            self.stats.rebases += 1
+            return True
         base = state.anchor
         if merged:
             assert sent is not None
-            base = state.anchor + self._as_merged(sent.delta)
-        fragment = self.layout.fragments[index]
+            base = torch.add(state.anchor, self._as_merged(sent.delta), out=fragment_buffer(fragment.numel))
         ahead = self.gather(index).sub_(base)
         if nonfinite_tensor(fragment, ahead) is not None:
             ahead.zero_()  # training diverged here: Θ replaces the diverged values, as an overwrite does

@@ -22,6 +22,7 @@ raised on every rank. Trainers whose steps come in phases (RL: rollouts, then up
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -30,10 +31,13 @@ import torch
 
 from yeto_core.consensus_report import Probe
 from yeto_core.learner import LearnerSession, LearnerStats
+from yeto_core.learner_metrics import LearnerMetricsServer
 from yeto_core.settings import LearnerSettings
 from yeto_core.store import TensorStore
 
 __all__ = ["CollectiveStore", "IslandSession", "IslandStats"]
+
+log = logging.getLogger("yeto.island")
 
 T = TypeVar("T")
 
@@ -96,6 +100,7 @@ class IslandSession:
         self._steps = 0
         self._answer = IslandStats()
         self._closed = False
+        self.metrics: LearnerMetricsServer | None = None  # rank 0's /metrics, with `metrics_port`
         if store is None:
             self.session = LearnerSession(settings, named_params, embedding_names=embedding_names, probe=probe)
             return
@@ -120,6 +125,8 @@ class IslandSession:
         """Connect and install the initial cut. A permanent refusal raises here (on every rank),
         unless `alone_if_refused` lets the island train on alone."""
         def start(session: LearnerSession) -> bool:
+            if self.settings.metrics_port is not None and self.metrics is None:
+                self.metrics = self._serve_metrics(session)
             session.start()
             return False
 
@@ -147,12 +154,24 @@ class IslandSession:
         if self._closed:
             return
         self._closed = True
+        if self.metrics is not None:
+            self.metrics.close()
         if self.session is not None:
             self.session.close()
         if self.store is not None:
             self.store.close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _serve_metrics(self, session: LearnerSession) -> LearnerMetricsServer:
+        s = self.settings
+        try:
+            server = LearnerMetricsServer(lambda: session.stats, s.learner_id, s.metrics_host, s.metrics_port or 0)
+        except OSError as exc:
+            raise OSError(exc.errno, f"learner {s.learner_id}: cannot serve /metrics on {s.metrics_host}:"
+                          f"{s.metrics_port} (YETO_DILOCO_METRICS_PORT): {exc.strerror}") from None
+        log.warning("yeto learner %d: metrics on http://%s:%d/metrics", s.learner_id, s.metrics_host, server.port)
+        return server
+
     def _together(self, call: Callable[[LearnerSession], bool]) -> bool:
         if self.store is None:
             assert self.session is not None

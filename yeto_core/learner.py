@@ -293,6 +293,8 @@ class LearnerSession:
         stop_if_refused(self.settings, self.link.refused)
         self.pump(0.0)  # an INIT asked for meanwhile is answered here too
         self.sync.push_in_flight()  # a push that went out since the last step is counted now
+        if self.settings.sweeps:  # RL: weights change only between iterations, at the sweep
+            return False
         if self.settings.lockstep:  # the merge of the last boundary's push is installed at this step
             self._lockstep_wait(self.sync.pushes_merged, "the merge of this island's last push")
         if self.final_ready:
@@ -313,6 +315,7 @@ class LearnerSession:
             self._wait_for_merge(job)
 
     def _install_final(self) -> None:
+        self.sync.push_in_flight()  # pushes that ended since the last step are counted before the report
         rounds = self.sync.install_final()
         log.info("learner %d: final cut installed after %d rounds at step %d", self.settings.learner_id, rounds,
                  self.stats.steps)
@@ -320,7 +323,8 @@ class LearnerSession:
     def finish(self) -> bool:
         """Local training ended: push what each fragment trained since its last push (the final
         flush, `final_flush`), then ask for the final cut and install it; `final_timeout_s` bounds
-        it all, and the flush gets at most half of it."""
+        it all, and the flush gets at most half of it. Without the flush, an island that sweeps
+        (RL) still waits, for at most that half, until its last sweep's pushes are merged."""
         s = self.settings
         if self.stats.final_installed:
             return True
@@ -331,6 +335,9 @@ class LearnerSession:
         started = self.clock()
         deadline = started + s.final_timeout_s
         flushing = s.final_flush
+        # A sweeping island's last pushes may still be in flight (overlap returns before they merge):
+        # DONE from every island would let the syncer finalize without their rounds.
+        settling = s.sweeps and not flushing
         while self.clock() < deadline:
             if stop_if_refused(s, self.link.refused):
                 return False
@@ -339,10 +346,15 @@ class LearnerSession:
                     log.warning("learner %d: the last steps of some fragments were not merged in time; asking for "
                                 "the final cut without them", s.learner_id)
                 flushing = False
+            if settling and (self.sync.pushes_merged() or self.clock() > started + s.final_timeout_s / 2):
+                if not self.sync.pushes_merged():
+                    log.warning("learner %d: the last sweep's pushes were not merged in time; asking for the final "
+                                "cut without them", s.learner_id)
+                settling = False
             needs_done = self._generation is not None and self._done_sent_generation != self._generation
-            if not flushing and needs_done and self.link.send(Done(self.stats.steps)):
+            if not flushing and not settling and needs_done and self.link.send(Done(self.stats.steps)):
                 self._done_sent_generation = self._generation
-            self._tick(0.05 if flushing else 0.5)
+            self._tick(0.05 if flushing or settling else 0.5)
             if self.final_ready:
                 self._install_final()
                 return True
@@ -355,11 +367,17 @@ class LearnerSession:
 
     def sweep(self) -> bool:
         """A boundary for every fragment at once, for trainers whose steps come in phases (RL:
-        rollouts, then updates): answer every PULL this learner holds, one push streaming at a
-        time, then wait for those rounds' merges and install them; with `overlap` return as soon
-        as the pushes are out (their merges are rebased in at later steps). `blocking_timeout_s`
-        bounds it, after which training goes on. True when the final cut was installed."""
+        rollouts, then updates): install what merged since the last sweep (rebasing), answer every
+        PULL this learner holds, the pushes streaming back to back, then wait for those rounds'
+        merges and install them. With `rl_mode` sweep or overlap every fragment trained since its
+        last push is pushed: a PULL not in yet is waited for (unless the fragment's rounds are
+        over), so each iteration's progress goes into one round. It returns as soon as the pushes
+        are computed and queued instead with `rl_mode` overlap (or, in stream mode, with `overlap`):
+        the link streams them while training goes on, and their merges are rebased in at the next
+        sweep. `blocking_timeout_s` bounds it, after which training goes
+        on. True when the final cut was installed."""
         s = self.settings
+        wait = s.rl_mode == "sweep" or (s.rl_mode == "stream" and not s.overlap)
         if self.stats.final_installed:
             return True
         if stop_if_refused(s, self.link.refused) or self.layout is None:
@@ -372,14 +390,20 @@ class LearnerSession:
                 self._install_final()
                 return True
             self.sync.install_bcasts()
-            job = self.sync.boundary(self._step_s)
-            if job is not None:
-                swept.append(job)
-            if not self.sync.push_in_flight() and not self.sync.pulls_to_answer():
-                merged = all(self.fragments[j.pull.fragment].version > j.base_version for j in swept)
-                if s.overlap or merged:
+            while (job := self.sync.boundary(self._step_s, queue=True)) is not None:
+                swept.append(job)  # every pull answered now: the sender streams them back to back
+            if not self.sync.pulls_to_answer() and not (s.sweeps and self.sync.owed()):
+                if not wait:
+                    return False  # every delta is computed and queued: the link streams them as training goes on
+                if all(self.fragments[j.pull.fragment].version > j.base_version for j in swept):
                     return False
-            self._tick(0.05)
+            streaming = self.sync.push
+            if streaming is not None and not streaming.done.is_set():
+                # The sweep's end may be its last push's end, and that is no link event: wait on it.
+                streaming.done.wait(min(0.05, max(0.0, deadline - self.clock())))
+                self._tick(0.0)
+            else:
+                self._tick(0.05)
         if self.link.refused is None:
             log.warning("learner %d: sweep not done within %.0f s; training on", s.learner_id, s.blocking_timeout_s)
         return False

@@ -13,7 +13,7 @@ import torch
 
 from yeto_core.link import PushJob
 from yeto_core.probe import ProbeResult
-from yeto_core.wire.messages import Bcast, Final, Pull
+from yeto_core.wire.messages import BCAST_LAST, Bcast, Final, Pull
 
 
 @dataclass
@@ -29,6 +29,7 @@ class FragmentState:
     sent: PushJob | None = None  # pushed; its round's BCAST not installed yet (replayed on a re-pull)
     sent_link: int = 0  # the connection `sent` last went out on
     sent_marks: tuple[int, int] | None = None  # (tokens, steps) counters when `sent` was computed
+    closed: bool = False  # the newest BCAST merged the fragment's last round: no PULL will follow
 
     def take_pull(self, pull: Pull, link: int) -> bool:
         """Hold `pull` if it is newer than the one held (or came on a newer connection)."""
@@ -41,6 +42,16 @@ class FragmentState:
     def take_bcast(self, msg: Bcast, values: torch.Tensor) -> None:
         if self.bcast is None or msg.version >= self.bcast[0].version:
             self.bcast = (msg, values)
+            self.closed = bool(msg.flags & BCAST_LAST)
+
+    def unpushed(self, steps: int) -> bool:
+        """Steps up to `steps` trained on this fragment that no push carries: since the anchor was
+        installed, or since the push in flight (a push whose round committed without it is forgotten,
+        and its steps are unpushed again)."""
+        if self.anchor is None:
+            return False
+        covered = self.sent_marks[1] if self.sent_marks is not None else self.steps_mark
+        return steps > covered
 
     def forget_push(self) -> None:
         """Nothing is left to replay: the push's round committed (with it or without it), or the

@@ -28,6 +28,7 @@ class LinkSettings:
     bcast_delta: bool = False  # take broadcasts as bf16 deltas
     overlap: bool = True  # rebases on its merged pushes (told to the syncer in HELLO)
     stream_schedule: str = "rr"  # chunk-to-stream striping: rr | adaptive
+    rl_mode: str = "stream"  # stream | sweep | overlap: how it pushes (sweeps are told to the syncer in HELLO)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ DEFAULT_ISLAND = IslandSettings()
 class MergeSettings:
     """How the syncer merges a round: the merge of the deltas and the outer step."""
 
-    merge: str = "rda"  # rda | average (the embedding is always averaged)
+    merge: str = "rda"  # rda | iso | average (the embedding is always averaged)
     delta_correction: str = "none"  # heloco | none
     outer_optimizer: str = "nesterov"  # nesterov | delayed-nesterov
     outer_lr: float = 0.5

@@ -120,6 +120,10 @@ class LearnerSettings(BaseSettings):
     wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
     wan_probe_min_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this upload rate (0: no probe)")
     wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this download rate")
+    metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="serve this island's Prometheus "
+                                     "/metrics on this port (rank 0 only; 0 picks a free one; none: off)")
+    metrics_host: str = Field(default="127.0.0.1", description="address the island's /metrics listens on "
+                              "(0.0.0.0 for a scraper on another host)")
     wan_probe_mib: int = Field(default=16, ge=1, le=1024, description="MiB moved each way by the bandwidth probe")
     fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
     tuning: Literal["auto", "lora", "full"] = Field(
@@ -144,6 +148,10 @@ class LearnerSettings(BaseSettings):
     lockstep_timeout_s: float = Field(default=300.0, gt=0, le=86400,
                                       description="lockstep: longest wait for a pull or a merge before training on")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
+    rl_mode: Literal["stream", "sweep", "overlap"] = Field(
+        default="stream", description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer "
+        "steps; sweep: every fragment at the end of each RL iteration, the merges installed before the rollout gets "
+        "weights; overlap: every fragment at the end of each iteration, training on at once and rebasing at the next")
     consensus_every: int = Field(default=4, ge=0, description="evaluate the probe batch after every N installs of "
                                  "merged fragments and report it to the syncer (0: no consensus signal)")
     consensus_top_k: int = Field(default=64, ge=1, le=1024,
@@ -160,6 +168,19 @@ class LearnerSettings(BaseSettings):
 
         parse_blocking(v)
         return v
+
+    @field_validator("rl_mode")
+    @classmethod
+    def _rl_mode(cls, v: str, info: ValidationInfo) -> str:
+        if v == "overlap" and info.data.get("overlap") is False:
+            raise ValueError("overlap trains on while its pushes merge, so it installs by rebasing: it cannot be "
+                             "combined with YETO_DILOCO_OVERLAP=false")
+        return v
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether boundaries come once per RL iteration, every fragment at once (`sweep()`)."""
+        return self.rl_mode != "stream"
 
     @field_validator("syncer")
     @classmethod
@@ -184,7 +205,8 @@ class LearnerSettings(BaseSettings):
             address=self.address, key=self.read_key(), learner_id=self.learner_id, data_streams=self.data_streams,
             connect_timeout_s=self.connect_timeout_s, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
             reconnect_max_s=self.reconnect_max_s, stall_timeout_s=self.wan_stall_timeout_s,
-            bcast_delta=self.bcast_delta, overlap=self.overlap, stream_schedule=self.wan_stream_schedule)
+            bcast_delta=self.bcast_delta, overlap=self.overlap, stream_schedule=self.wan_stream_schedule,
+            rl_mode=self.rl_mode)
 
     @property
     def consensus(self) -> ConsensusSettings:
@@ -222,6 +244,8 @@ class SyncerSettings(BaseSettings):
                                       "this long, holding every round, then stop with exit code 4")
     resume: bool = Field(default=False, description="resume from the checkpoint file when it exists")
     tape: Path | None = Field(default=None, description="JSONL event tape of every commit (none: no tape)")
+    metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="serve Prometheus /metrics and the "
+                                     "live status page (/) on this port of --host (0 picks a free one; none: off)")
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
     device: str = Field(default="auto", description="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
@@ -231,9 +255,11 @@ class SyncerSettings(BaseSettings):
     outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
     outer_delay: int = Field(default=4, ge=1, description="N of delayed Nesterov: momentum moves every N steps")
-    merge: Literal["rda", "average"] = Field(default="rda", description="merge of non-embedding tensors: "
-                                             "radial-directional averaging (rda) or the plain weighted average "
-                                             "(the embedding is always averaged)")
+    merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of non-embedding tensors: "
+                                                    "radial-directional averaging (rda), rda with each 2-D matrix's "
+                                                    "merged update given a flat spectrum (iso: its singular values "
+                                                    "replaced by their mean), or the plain weighted average "
+                                                    "(the embedding is always averaged)")
     delta_correction: Literal["heloco", "none"] = Field(default="none", description="correct stale deltas that "
                                                         "oppose the outer momentum (HeLoCo) or not; HeLoCo "
                                                         "measured no better in compare_diloco")
@@ -330,6 +356,13 @@ def unknown_variables(cls: type[BaseSettings]) -> list[str]:
     return lines
 
 
+def configured(cls: type[BaseSettings]) -> bool:
+    """Whether the environment sets any of `cls`'s variables: a plugin that attaches itself (verl's
+    entry point) stays inert without one, and is configured, rightly or wrongly, with any."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    return bool(prefix) and any(var.upper().startswith(prefix) for var in os.environ)
+
+
 def setting_name(field: str, *, flags: bool) -> str:
     """How errors call a value given explicitly: its command-line flag or keyword argument."""
     return f"--{field.replace('_', '-')}" if flags else f"argument {field}"
@@ -364,6 +397,17 @@ def take_renamed(cls: type[BaseSettings], given: dict[str, Any], *, flags: bool)
         given[new] = seconds
         quoted[new] = (name, raw)
     return quoted
+
+
+class MilesDriverSettings(BaseSettings):
+    """What `python -m yeto_plugins.miles.train` reads of Miles' own environment (`MILES_*`; Miles has
+    more of them, which are not ours to check, so unknown names are ignored here)."""
+
+    model_config = SettingsConfigDict(env_prefix="MILES_", extra="ignore", frozen=True)
+
+    train: Path = Field(default=Path("train.py"), description="Miles' driver script (a Miles checkout's train.py)")
+    experimental_ft_trainer: bool = Field(default=False, description="Miles' fault-tolerant trainer group, which the "
+                                          "yeto driver does not patch")
 
 
 def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:

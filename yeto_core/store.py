@@ -16,6 +16,16 @@ from typing import Protocol
 import torch
 
 from yeto_core.layout import Fragment, TensorSpec, specs_from_named_tensors
+from yeto_core.wire.buffers import BufferPool
+
+FRAGMENT_POOL = BufferPool()  # fragment-sized f32 work buffers, recycled once nothing holds them
+
+
+def fragment_buffer(numel: int) -> torch.Tensor:
+    """An uninitialized f32 tensor of `numel` values for a fragment read or a delta: a recycled buffer
+    when one of that size is free. A fresh 32 MiB tensor faults in every page as it is first written,
+    which made a fragment read 5x slower than the copy itself here; an RL sweep reads every fragment."""
+    return torch.frombuffer(FRAGMENT_POOL.take(numel * 4), dtype=torch.float32) if numel else torch.empty(0)
 
 __all__ = ["LocalStore", "TensorStore", "blend_into", "check_fragment_values", "nonfinite_tensor"]
 
@@ -79,7 +89,8 @@ class LocalStore:
 
     def gather(self, fragment: Fragment) -> torch.Tensor:
         with torch.no_grad():
-            return torch.cat([self.params[s.name].detach().reshape(-1).float() for s in fragment.slots])
+            parts = [self.params[s.name].detach().reshape(-1).float() for s in fragment.slots]
+            return torch.cat(parts, out=fragment_buffer(fragment.numel))
 
     def install(self, fragment: Fragment, values: torch.Tensor, alpha: float) -> None:
         check_fragment_values(fragment, values)

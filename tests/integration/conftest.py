@@ -2,7 +2,9 @@
 
 Every process a test starts goes through the `procs` fixture, which terminates (then kills) it
 by pid when the test ends, pass or fail. Every wait has a deadline; a missed deadline fails the
-test with the tail of the process's output, so a hang never stays silent.
+test with the tail of the process's output, so a hang never stays silent. Syncers and learners
+start warm (`warm.py`): forked from a parent that imported torch and transformers once, instead
+of each importing them again; `fresh=True` starts a new interpreter.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pytest
 import torch
 from mlp import small_mlp
 from safetensors.torch import load_file
+from warm import WarmProcess, WarmStarter
 
 from yeto_core.codecs import F32
 from yeto_core.learner import LearnerSession
@@ -40,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_tiny_llama.py"
 IO_TIMEOUT_S = 10.0  # deadline of one raw socket read in hand-made protocol exchanges
 LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$")
+# Lines of a dying process worth reading first: a C++ abort, a fatal Python error, an exception.
+FATAL = re.compile(r"terminate called|what\(\)|Fatal Python error|Aborted|Segmentation|^\w*(Error|Exception)\b|"
+                   r"^\s*raise |exitcode\s*:|Traceback")
 
 # A model small enough that two learners and the syncer share 2 CPU cores comfortably.
 TINY_MODEL = ("--hidden", "32", "--layers", "2", "--seq-len", "32", "--batch-size", "4", "--threads", "1")
@@ -113,7 +119,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | WarmProcess
     stdout_path: Path
     stderr_path: Path
     output_dir: Path | None = None
@@ -136,10 +142,18 @@ class Proc:
         return [e for e in self.json_lines() if e.get("event") == event and all(e.get(k) == v
                                                                                for k, v in match.items())]
 
-    def tail(self, lines: int = 40) -> str:
+    def fatal_lines(self) -> str:
+        """The stderr lines that say why the process died, or ""."""
+        why = "\n".join([line for line in self.stderr().splitlines() if FATAL.search(line)][-12:])
+        return f"--- {self.name} (pid {self.pid}) fatal lines ---\n{why}\n" if why else ""
+
+    def tail(self, lines: int = 40, *, lead: bool = True) -> str:
+        """The last lines of both streams, led by the fatal ones (a long tail gets cut in the middle
+        by whoever shows it; these come first, and short)."""
         out = "\n".join(self.stdout().splitlines()[-lines:])
         err = "\n".join(self.stderr().splitlines()[-lines:])
-        return f"--- {self.name} (pid {self.pid}) stdout tail ---\n{out}\n--- {self.name} stderr tail ---\n{err}"
+        return (f"{self.fatal_lines() if lead else ''}--- {self.name} (pid {self.pid}) stdout tail ---\n{out}\n"
+                f"--- {self.name} stderr tail ---\n{err}")
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -181,22 +195,34 @@ class Procs:
         self.started: list[Proc] = []
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              output_dir: Path | None = None) -> Proc:
+              output_dir: Path | None = None, *, fresh: bool = False) -> Proc:
+        """Start `argv` with output to files; warm where it can (`warm.py`), or, with `fresh`, in a
+        new interpreter (for what interpreter start-up itself does, as the auto-attach hook)."""
         tag = f"{name}.{sum(p.name == name for p in self.started)}"
         out, err = self.workdir / f"{tag}.out", self.workdir / f"{tag}.err"
-        with out.open("wb") as fo, err.open("wb") as fe:
-            popen = subprocess.Popen(list(argv), cwd=ROOT, env=env if env is not None else base_env(),
-                                     stdin=subprocess.DEVNULL, stdout=fo, stderr=fe)
+        env = env if env is not None else base_env()
+        popen: subprocess.Popen[bytes] | WarmProcess
+        if not fresh and WARM.can_start(argv, env):
+            out.touch()
+            err.touch()
+            popen = WARM.start(argv, env=env, cwd=ROOT, stdout=out, stderr=err)
+        else:
+            with out.open("wb") as fo, err.open("wb") as fe:
+                popen = subprocess.Popen(list(argv), cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=fo,
+                                         stderr=fe)
         proc = Proc(name, popen, out, err, output_dir)
         self.started.append(proc)
         return proc
 
     def tails(self) -> str:
-        return "\n".join(p.tail() for p in self.started)
+        return tails(self.started)
 
     def close(self) -> None:
         for p in reversed(self.started):
             p.stop()
+
+
+WARM = WarmStarter("hf")  # the session's warm parent for syncers and learners, started by the first warm start
 
 
 @pytest.fixture
@@ -271,7 +297,7 @@ def start_syncer(procs: Procs, *, key_file: Path, port: int = 0, tape_name: str 
         argv = ["sh", "-c", f'ulimit -n {max_descriptors} && exec "$@"', "sh", *argv]
     retry_until = time.monotonic() + bind_retry_s
     while True:
-        proc = procs.start("syncer", argv, env=env)
+        proc = procs.start("syncer", argv, env=base_env(env))  # `env` adds to the usual one
         deadline = time.monotonic() + timeout
         while True:
             for line in proc.stdout().splitlines():
@@ -328,6 +354,11 @@ def start_learner(procs: Procs, syncer: Syncer | str, key_file: Path, learner_id
 def model_dir(proc: Proc) -> Path:
     assert proc.output_dir is not None, f"{proc.name} has no output directory"
     return proc.output_dir
+
+
+def tails(procs: Sequence[Proc]) -> str:
+    """Every process's fatal lines first, then each one's tail."""
+    return "".join(p.fatal_lines() for p in procs) + "\n".join(p.tail(lead=False) for p in procs)
 
 
 def wait_all(procs: Sequence[Proc], timeout: float) -> list[int]:

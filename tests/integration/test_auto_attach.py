@@ -64,8 +64,9 @@ def start_script(procs: Procs, tmp_path: Path, name: str, env: dict[str, str], m
     if not script.exists():
         script.write_text(SCRIPT)
     out = tmp_path / f"{name}-model"
+    # A fresh interpreter: what is under test is its start-up (the .pth hook) and what it imports.
     return procs.start(name, [sys.executable, str(script), str(out), str(max_steps), *extra], env=env,
-                       output_dir=out)
+                       output_dir=out, fresh=True)
 
 
 def done_line(proc: Proc) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from conftest import (
     model_tensors,
     start_syncer,
     syncer_exit_code,
+    tails,
     wait_all,
 )
 
@@ -41,7 +42,7 @@ def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: 
     islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000, consensus_every=1)
                for n in range(2)]
     codes = wait_all(islands, 240)  # type: ignore[arg-type]
-    assert codes == [0, 0], "\n".join(p.tail() for p in islands)  # type: ignore[attr-defined]
+    assert codes == [0, 0], tails(islands)  # type: ignore[arg-type]
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
     assert syncer.checkpoint is not None
     final = checkpoint_params(syncer.checkpoint)

@@ -175,3 +175,17 @@ def test_a_process_restarted_after_the_holder_went_silent_takes_the_id_over(proc
     final = checkpoint_params(syncer.checkpoint)
     for lp in (holder, restarted):
         assert_bit_identical(model_tensors(model_dir(lp)), final, lp.name)
+
+
+@pytest.mark.timeout(120)
+def test_a_sweeping_island_is_refused_by_a_syncer_whose_rounds_cannot_serve_it(procs: Procs, key_file: Path) -> None:
+    """RL sweeps need rounds unpaced by learner steps, and overlap needs every fragment's round in
+    flight: a syncer started otherwise refuses the island at its handshake, naming the flags."""
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=4,
+                          extra=["--pipeline", "2"])  # and --sync-interval-steps 8, as every test syncer
+    island = start_learner(procs, syncer, key_file, 0, max_steps=100_000, name="overlap", rl_mode="overlap")
+    assert island.wait(60) != 0, island.tail()
+    err = island.stderr()
+    assert "IslandRefused" in err and "--sync-interval-steps 8" in err and "--pipeline 2" in err, island.tail()
+    assert "--pipeline 4" in err and "YETO_DILOCO_RL_MODE=overlap" in err
+    assert syncer.proc.poll() is None, syncer.proc.tail()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +155,8 @@ def test_a_syncer_resumed_from_a_final_checkpoint_waits_for_its_learners(procs: 
                           bind_retry_s=20, learners=1, quorum=1, fragments=4, total_rounds=rounds,
                           extra=["--final-timeout-s", "60"])
     wait_until(lambda: "already final" in second.proc.stderr(), 20, "the resumed syncer to start finalizing")
-    time.sleep(1.0)
+    # That it waits for a learner that is not back yet is the protocol's decision, checked on a
+    # fake clock (tests/unit/test_protocol.py); here the real one must still be up to hand it over.
     assert second.proc.poll() is None, "the resumed syncer exited before its learner came back\n" + second.proc.tail()
     late = Island(second, key_file, 0)
     try:

@@ -15,7 +15,7 @@ from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, Push
 from yeto_core.probe import ProbeResult
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire.errors import Refused
-from yeto_core.wire.messages import BCAST_FULL, BCAST_MERGED, Bcast, Final, Message, Pull
+from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, BCAST_MERGED, Bcast, Final, Message, Pull
 
 
 class FakeClock:
@@ -63,8 +63,9 @@ class MemoryLink:
     def pull(self, round_id: int, fragment: int, version: int, attempt: int = 1) -> None:
         self.events.append(Received(Pull(round_id, attempt, fragment, version)))
 
-    def bcast(self, fragment: int, version: int, round_id: int, values: torch.Tensor, *, merged: bool = False) -> None:
-        flags = BCAST_FULL | (BCAST_MERGED if merged else 0)
+    def bcast(self, fragment: int, version: int, round_id: int, values: torch.Tensor, *, merged: bool = False,
+              last: bool = False) -> None:
+        flags = BCAST_FULL | (BCAST_MERGED if merged else 0) | (BCAST_LAST if last else 0)
         self.events.append(Received(Bcast(fragment, version, round_id, flags, 0, 0, 0), values.clone()))
 
     def final(self, fragment: int, version: int, values: torch.Tensor, rounds: int = 1) -> None:

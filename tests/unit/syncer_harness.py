@@ -1,7 +1,8 @@
 """The syncer's coordinator with the test as every learner: in-memory connection groups, a tape in
 memory and a clock that moves only when the test says so. Each event is handed to the
-coordinator's `handle`, the one entry point of the actor, so a test reads exactly what the
-syncer decided (the tape records carry the reasons) without a socket, a thread or a sleep."""
+coordinator's `handle`, the one entry point of the actor (the protocol's turn and its effects
+performed), so a test reads exactly what the syncer decided (the tape records carry the
+reasons) without a socket, a thread or a sleep."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from syncer.coordinator import Coordinator
-from syncer.events import Got, Joined, Left
+from syncer.events import Connected, Got, Joined, Left
 from syncer.rounds import RoundState
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
@@ -98,8 +99,8 @@ class SyncerUnderTest:
         generation = self.generations[lid] = self.generations.get(lid, 0) + 1
         group = self.groups[lid] = MemoryGroup()
         manifest = Manifest(self.layout.num_fragments, self.layout.pattern, SPECS) if lid == 0 else None
-        self.co.handle(Joined(lid, generation, group, self.layout.fingerprint, F32.wire_id,  # type: ignore[arg-type]
-                              manifest, HELLO_OVERLAP if overlap else 0, instance=instance, peer=f"test:{lid}"))
+        self.co.handle(Connected(group, Joined(lid, generation, self.layout.fingerprint, F32.wire_id, manifest,
+                                               HELLO_OVERLAP if overlap else 0, instance=instance, peer=f"test:{lid}")))
         return group
 
     def start(self, *learners: int, overlap: bool = False) -> None:
@@ -138,8 +139,9 @@ class SyncerUnderTest:
         self.co.handle(None)
 
     def round_state(self, round_id: int) -> RoundState:
-        assert self.co.state is not None
-        return self.co.rounds.state_of(round_id, self.co.state.next_round)
+        state = self.co.protocol.state
+        assert state is not None
+        return self.co.protocol.rounds.state_of(round_id, state.next_round)
 
     def bcasts(self, lid: int) -> list[Bcast]:
         return self.groups[lid].of(Bcast)
@@ -148,5 +150,6 @@ class SyncerUnderTest:
         return self.groups[lid].of(Final)
 
     def params(self, fragment: int) -> torch.Tensor:
-        assert self.co.state is not None
-        return self.co.state.params[fragment]
+        state = self.co.protocol.state
+        assert state is not None
+        return state.params[fragment]

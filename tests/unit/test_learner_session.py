@@ -10,6 +10,7 @@ from learner_harness import hand_fed
 
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult
 from yeto_core.refusal import IslandRefused
+from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_core.wire.errors import ErrorCode, Refused
 from yeto_core.wire.messages import Done
 
@@ -250,3 +251,183 @@ def test_a_link_below_the_minimum_rate_exits_75_before_joining() -> None:
         s.start()
     assert exited.value.code == PROBE_EXIT_CODE and link.layout is None  # never dialed
     assert "too slow to join" in said[0] and "12.5 Mbit/s up" in said[0]
+
+
+def test_rl_sweep_mode_changes_no_weight_inside_an_iteration_and_pushes_every_fragment_at_its_end() -> None:
+    """RL iterations (`rl_mode=sweep`): steps are counted, but pushes and installs wait for the
+    sweep, so the policy an update started from stays put until the iteration ends."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=2, rl_mode="sweep")
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    link.pull(1, 1, 0)
+    link.bcast(1, 5, 7, torch.full((2,), 9.0))  # another island's merge arrives mid-iteration
+    for _ in range(4):  # H/P = 1: every step would be a boundary in stream mode
+        a.add_(1.0)
+        b.add_(1.0)
+        assert not s.step(tokens=10)
+    assert link.jobs == [] and torch.equal(b, torch.full((2,), 4.0)) and s.fragments[1].version == 0
+
+    def syncer() -> None:  # merges each push into the next version, and launches fragment 1's next round
+        for job in link.jobs:
+            state = s.fragments[job.pull.fragment]
+            if state.bcast is None and state.version == job.pull.version:
+                assert state.anchor is not None
+                link.bcast(job.pull.fragment, job.pull.version + 1, job.pull.round, state.anchor + job.delta,
+                           merged=True)
+        if s.fragments[1].version == 5 and s.fragments[1].pull is None and len(link.jobs) == 1:
+            link.pull(9, 1, 5)
+
+    link.on_wait = syncer
+    assert not s.sweep()
+    # Fragment 1's merge came in before the sweep: rebased in first, so its pull (version 0) is stale.
+    # Its 4 steps are still unpushed, so the sweep waits for its next round, and merges them there.
+    assert [(j.pull.round, j.pull.fragment, j.steps, j.tokens) for j in link.jobs] == [(0, 0, 4, 40), (9, 1, 4, 40)]
+    assert [f.version for f in s.fragments] == [1, 6]
+    assert torch.equal(a, torch.full((2,), 4.0)) and torch.equal(b, torch.full((2,), 13.0))
+
+
+def test_rl_overlap_mode_trains_on_at_once_and_rebases_its_merge_in_at_the_next_sweep() -> None:
+    w = torch.zeros(2)
+    s, link, clock, _ = hand_fed([("w", w)], sync_interval=1, rl_mode="overlap")
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=5)
+    before = clock.now
+    assert not s.sweep() and clock.now - before < 0.2  # the push is out; nothing waited for
+    assert len(link.jobs) == 1
+    w.add_(1.0)  # iteration k+1 trains on the local weights
+    s.step(tokens=5)
+    link.bcast(0, 1, 0, torch.full((2,), 0.5), merged=True)  # the global merge of iteration k's push
+    link.pull(1, 0, 1)
+    s.sweep()
+    # θ ← G + (θ_local − θ at the push) = 0.5 + (2 − 1); the next push carries only what came after.
+    assert torch.equal(w, torch.full((2,), 1.5)) and s.fragments[0].version == 1
+    assert [j.steps for j in link.jobs] == [1, 1] and torch.equal(link.jobs[1].delta, torch.ones(2))
+
+
+def test_an_overlap_sweep_waits_for_a_pull_still_on_its_way_so_one_round_takes_the_whole_iteration() -> None:
+    """The syncer launches a sweep's rounds one after another: a pull can trail the sweep. Pushing
+    that fragment at a later sweep would put two iterations into one round; the sweep waits."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, rl_mode="overlap")
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    a.add_(1.0)
+    b.add_(1.0)
+    s.step(tokens=5)
+    waits = []
+
+    def second_pull_arrives_later() -> None:
+        waits.append(clock.now)
+        if len(waits) == 3:
+            link.pull(1, 1, 0)
+
+    link.on_wait = second_pull_arrives_later
+    before = clock.now
+    assert not s.sweep()
+    assert [(j.pull.fragment, j.steps) for j in link.jobs] == [(0, 1), (1, 1)]
+    assert clock.now - before < 1.0 and len(waits) == 3  # back as soon as the last push is out
+
+
+def test_a_sweep_does_not_wait_for_a_fragment_whose_rounds_are_over() -> None:
+    """The syncer flags the broadcast of a fragment's last round (BCAST_LAST): no pull follows, so a
+    sweep does not wait `blocking_timeout_s` for one; the steps go into the final cut instead."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, rl_mode="overlap", blocking_timeout_s=100)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 3, 7, torch.zeros(2), last=True)  # fragment 1's rounds ended with round 7
+    s.start()
+    link.pull(8, 0, 0)
+    a.add_(1.0)
+    b.add_(1.0)
+    s.step(tokens=5)
+    before = clock.now
+    assert not s.sweep()
+    assert [j.pull.fragment for j in link.jobs] == [0] and clock.now - before < 1.0
+    link.bcast(1, 4, 9, torch.zeros(2))  # a resumed run with more rounds: fragment 1 is open again
+    s.sweep()
+    assert clock.now - before >= 100  # its pull never came: waited out, then training goes on
+
+
+def test_a_re_pull_is_replayed_at_once_even_behind_a_push_still_streaming() -> None:
+    """A restarted syncer re-pulls the rounds it lost; an RL island between sweeps reaches no
+    boundary for a while, so the replay is queued behind the push streaming, not held."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, rl_mode="overlap")
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    link.pull(1, 1, 0)
+    a.add_(1.0)
+    b.add_(2.0)
+    s.step(tokens=5)
+    s.sweep()
+    link.send_pushes = False  # from now on the pushes stream for a while
+    link.lose()
+    link.connect()
+    link.pull(0, 0, 0, attempt=2)
+    link.pull(1, 1, 0, attempt=2)
+    s.pump(0.0)
+    replays = link.jobs[2:]
+    assert [(j.pull.round, j.pull.attempt) for j in replays] == [(0, 2), (1, 2)] and s.stats.replays == 2
+    assert torch.equal(replays[1].delta, torch.full((2,), 2.0))
+
+
+def test_rl_overlap_mode_needs_rebasing_installs() -> None:
+    with pytest.raises(SettingsError, match="YETO_DILOCO_OVERLAP=false"):
+        load_settings(LearnerSettings, syncer="127.0.0.1:1", rl_mode="overlap", overlap=False)
+
+
+def test_a_merge_installed_with_nothing_trained_since_the_push_is_the_global_value_exactly() -> None:
+    """A sweep that waits leaves no step between push and install: θ is θ at the push, so the rebase
+    θ ← Θ + (θ − (anchor + delta)) would only add the rounding of anchor + delta (here a weight that
+    went from 1 to 1e-20: the delta rounds to −1). Θ goes in as it is, the same bits on every island."""
+    w = torch.ones(1)
+    s, link, _, _ = hand_fed([("w", w)], rl_mode="sweep")
+    link.bcast(0, 0, 0, torch.ones(1))
+    s.start()
+    w.fill_(1e-20)
+    s.step(tokens=1)
+    link.pull(0, 0, 0)
+
+    def syncer_merges() -> None:
+        if link.jobs and s.fragments[0].version == 0 and s.fragments[0].bcast is None:
+            link.bcast(0, 1, 0, torch.full((1,), 1e-19), merged=True)
+
+    link.on_wait = syncer_merges
+    assert not s.sweep()
+    assert float(link.jobs[0].delta) == -1.0  # 1e-20 − 1 in float32
+    assert torch.equal(w, torch.full((1,), 1e-19)) and s.stats.rebases == 1
+
+
+def test_an_overlapping_island_says_done_only_once_its_last_sweep_is_merged() -> None:
+    """overlap returns from the last sweep with its pushes in flight; DONE then (no final flush)
+    would let the syncer finalize without their rounds, and the last iteration would be lost."""
+    w = torch.zeros(2)
+    s, link, clock, _ = hand_fed([("w", w)], rl_mode="overlap", final_timeout_s=100)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=5)
+    s.sweep()
+    started = clock.now
+
+    def syncer() -> None:
+        if clock.now - started > 3 and s.fragments[0].bcast is None and s.fragments[0].version == 0:
+            assert not any(isinstance(m, Done) for m in link.sent), "DONE before the last push merged"
+            link.bcast(0, 1, 0, torch.ones(2), merged=True)
+        if any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
+            link.final(0, 1, torch.ones(2))
+
+    link.on_wait = syncer
+    assert s.finish()
+    assert any(isinstance(m, Done) for m in link.sent) and torch.equal(w, torch.ones(2))

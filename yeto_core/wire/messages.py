@@ -100,6 +100,8 @@ HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the cont
 HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (DESIGN §7.4)
 HELLO_CONSENSUS = 0x4  # flag: this learner takes CONSENSUS messages (DESIGN §8)
 HELLO_OVERLAP = 0x8  # flag: this learner rebases on merged pushes (DESIGN §3.3, §4.6): never carry its late pushes
+HELLO_SWEEPS = 0x10  # flag: it pushes every fragment at once per RL iteration (DESIGN §3.4): rounds must be unpaced
+HELLO_SWEEP_OVERLAP = 0x20  # flag: ... and trains on while they merge: all its rounds must be in flight at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +363,7 @@ class Push(Message):
 BCAST_FULL = 0x1  # payload is the full fragment, f32
 BCAST_DELTA = 0x2  # payload is bf16(Θ − downlink anchor) (sessions with HELLO_BCAST_DELTA)
 BCAST_MERGED = 0x4  # this version merged the receiving learner's push for `round` (overlap rebasing)
+BCAST_LAST = 0x8  # `round` was the fragment's last (the run's total rounds): no PULL for it will follow
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,6 +180,7 @@ class SendTicket:
     def __init__(self, chunks: int) -> None:
         self._left = chunks
         self._lock = threading.Lock()
+        self._callbacks: list[Callable[[SendTicket], None]] = []
         self.done = threading.Event()
         self.error: str | None = None
         if chunks == 0:
@@ -188,13 +189,34 @@ class SendTicket:
     def chunk_sent(self) -> None:
         with self._lock:
             self._left -= 1
-            if self._left == 0:
+            finished = self._left == 0
+            if finished:
                 self.done.set()
+        if finished:
+            self._completed()
 
     def fail(self, reason: str) -> None:
-        if not self.done.is_set():
+        with self._lock:
+            if self.done.is_set():
+                return
             self.error = reason
             self.done.set()
+        self._completed()
+
+    def add_done_callback(self, fn: Callable[[SendTicket], None]) -> None:
+        """Call `fn(ticket)` once it is done (at once if it is): on the thread that finished it,
+        so `fn` must be quick and must not raise."""
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _completed(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     @property
     def ok(self) -> bool:

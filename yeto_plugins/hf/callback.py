@@ -31,38 +31,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
-from yeto_plugins.hf.consensus import consensus_logs, logit_probe
+from yeto_plugins.hf.consensus import consensus_logs
+from yeto_plugins.torch_dist.modules import embedding_names, logit_probe, synced_parameters
 from yeto_plugins.torch_dist.store import ProcessGroupStore
 
 log = logging.getLogger("yeto.hf")
-
-
-def embedding_names(model: torch.nn.Module) -> set[str]:
-    """Names of the input embedding's parameters (a tied LM head shares the same tensor)."""
-    getter = getattr(model, "get_input_embeddings", None)
-    emb = getter() if callable(getter) else None
-    if emb is None:
-        return set()
-    ids = {id(p) for p in emb.parameters()}
-    return {name for name, p in model.named_parameters() if id(p) in ids}
-
-
-def synced_parameters(model: torch.nn.Module, tuning: str) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an island syncs. Frozen tensors and buffers never cross the wire; with LoRA
-    (`tuning="lora"`, or `"auto"` on a model with adapters) only the adapter tensors do, and other
-    trainable tensors (e.g. PEFT's `modules_to_save`) stay local to each island."""
-    trainable: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    adapters = [(name, p) for name, p in trainable if "lora_" in name]
-    if tuning == "lora" and not adapters:
-        raise ValueError("YETO_DILOCO_TUNING=lora, but the model has no trainable LoRA adapter tensors "
-                         "(names with 'lora_'); use tuning='full' or wrap the model with PEFT first")
-    if tuning == "lora" or (tuning == "auto" and adapters):
-        local = [name for name, _ in trainable if "lora_" not in name]
-        if local:
-            log.warning("LoRA tuning: %d trainable tensor(s) that are not adapters stay local to this island "
-                        "(e.g. %s); use tuning='full' to sync them too", len(local), local[0])
-        return adapters
-    return trainable
 
 
 class YetoDiLoCo(TrainerCallback):

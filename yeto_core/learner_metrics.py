@@ -1,0 +1,98 @@
+"""An island's own Prometheus `/metrics` (`YETO_DILOCO_METRICS_PORT`, rank 0 only).
+
+The trainer's logs already carry the `yeto_*` figures; a scraper that watches every island beside
+the syncer reads them here. A collector reads the learner session's counters when scraped: nothing
+is copied on the training thread, and a scrape reads plain numbers the training thread writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, make_server, make_wsgi_app
+from prometheus_client.registry import Collector
+
+from yeto_core.learner_state import LearnerStats
+
+PREFIX = "yeto_learner"
+# (name, type, help, read): every figure of `LearnerStats` a dashboard plots, in base units.
+FIGURES: tuple[tuple[str, str, str, Callable[[LearnerStats], float | None]], ...] = (
+    ("steps", "counter", "optimizer steps accounted", lambda s: s.steps),
+    ("tokens", "counter", "trained tokens accounted", lambda s: s.tokens),
+    ("pushes", "counter", "pushes that went out whole", lambda s: s.pushes),
+    ("push_failures", "counter", "pushes that failed on the wire", lambda s: s.push_failures),
+    ("pushed_bytes", "counter", "wire bytes of the pushes that went out", lambda s: s.bytes_pushed),
+    ("replays", "counter", "pushes sent again when the syncer re-pulled their round", lambda s: s.replays),
+    ("nonfinite_deltas", "counter", "pulls not answered because the delta held NaN or Inf",
+     lambda s: s.nonfinite_deltas),
+    ("installs", "counter", "merged fragments installed", lambda s: s.installs),
+    ("rebases", "counter", "overlap installs that dropped a merged push from the weights", lambda s: s.rebases),
+    ("blocked_seconds", "counter", "time steps waited for blocking fragments", lambda s: s.blocked_s),
+    ("lockstep_misses", "counter", "lockstep waits that ran out of time", lambda s: s.lockstep_misses),
+    ("connections", "counter", "connections to the syncer made (a reconnect counts again)",
+     lambda s: len(s.connected_generations)),
+    ("final_installed", "gauge", "1 once the syncer's final cut is installed", lambda s: int(s.final_installed)),
+    ("consensus_js", "gauge", "the syncer's latest Jensen-Shannon distance between the learners",
+     lambda s: s.consensus_js),
+)
+
+
+class LearnerCollector(Collector):
+    def __init__(self, stats: Callable[[], LearnerStats], learner_id: int) -> None:
+        self._stats = stats
+        self._learner = str(learner_id)
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        for name, kind, doc, read in FIGURES:
+            value = read(stats)
+            family: CounterMetricFamily | GaugeMetricFamily
+            if kind == "counter":
+                family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["learner"])
+            else:
+                family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["learner"])
+            if value is not None:
+                family.add_metric([self._learner], float(value))
+            yield family
+        l2 = GaugeMetricFamily(f"{PREFIX}_fragment_l2", "mean L2 norm of the merged deltas of the fragment's last "
+                               "commit, as the syncer reported it", labels=["learner", "fragment"])
+        for f, value in enumerate(list(stats.fragment_l2)):
+            if value is not None:
+                l2.add_metric([self._learner, str(f)], float(value))
+        yield l2
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """A scrape every few seconds is not worth a line on the trainer's stderr."""
+
+
+class LearnerMetricsServer:
+    """`/metrics` of one learner on a daemon thread; `port` is the bound one. Raises OSError when
+    the address cannot be bound."""
+
+    def __init__(self, stats: Callable[[], LearnerStats], learner_id: int, host: str, port: int) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(LearnerCollector(stats, learner_id))
+        self._server = make_server(host, port, make_wsgi_app(self.registry), ThreadingWSGIServer, handler_class=_Quiet)
+        self.port = int(self._server.server_port)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="yeto-learner-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def readme_table() -> str:
+    """The README's list of an island's metrics."""
+    rows = [f"| `{PREFIX}_{name}{'_total' if kind == 'counter' else ''}` | {kind} | {doc} |"
+            for name, kind, doc, _ in FIGURES]
+    rows.append(f"| `{PREFIX}_fragment_l2` | gauge | mean L2 norm of the merged deltas of the fragment's last commit "
+                "(label fragment) |")
+    return "\n".join(["| metric (label learner) | type | meaning |", "|---|---|---|", *rows])
