@@ -13,10 +13,10 @@ What runs
   be wrapped around a few of its functions without changing what they do (each wrapper calls the
   original and takes `time.time()`; lines go to stdout only outside the receive path):
   `Coordinator.post` getting the `Got` event of a PUSH (every payload byte is in the syncer's
-  buffer), `Coordinator._on_push` returning with the push accepted (payload decoded into a
+  buffer), `PushIntake.on_push` returning with the push accepted (payload decoded into a
   float32 delta, checked finite, stored as the round's answer: ready to merge), and, for the
   breakdowns only, `Reassembler._get` creating a transfer's receive buffer, `check_finite`,
-  `Coordinator._pin` (allocating the global state) and `Coordinator._on_init`.
+  `SyncerProtocol._pin` (allocating the global state) and `SyncerProtocol._on_init`.
 * **The learner side** is `yeto_core.client.SyncerClient`, the object a `LearnerSession` pushes
   and uploads through, driven directly, so no training-thread work (gathering a fragment,
   subtracting the anchor, installing broadcasts) overlaps the measurement. The model is a
@@ -93,6 +93,7 @@ def _probed_syncer(argv: list[str]) -> int:
     from syncer import coordinator as co
     from syncer import intake as it
     from syncer import payload as pl
+    from syncer import protocol as pr
     from syncer.cli import main
     from syncer.events import Got
     from yeto_core.wire import transport
@@ -108,7 +109,7 @@ def _probed_syncer(argv: list[str]) -> int:
     orig_post = co.Coordinator.post
     orig_on_push = it.PushIntake.on_push
     orig_on_decoded = it.PushIntake.on_decoded
-    orig_check_finite = co.check_finite
+    orig_check_finite = pr.check_finite
 
     def get(self: Any, transfer: int, total: int) -> Any:
         if transfer in self._transfers:  # called under the reassembler's lock
@@ -150,9 +151,9 @@ def _probed_syncer(argv: list[str]) -> int:
               check_start=c0, check_end=c1, t=t1)
 
     init_spans: dict[str, float] = {"pin": 0.0, "rx_alloc": 0.0, "store": 0.0}
-    orig_pin = co.Coordinator._pin
-    orig_on_init = co.Coordinator._on_init
-    orig_initial_cut = co.Coordinator._initial_cut
+    orig_pin = pr.SyncerProtocol._pin
+    orig_on_init = pr.SyncerProtocol._on_init
+    orig_initial_cut = pr.SyncerProtocol._initial_cut
 
     def pin(self: Any, layout: Any) -> None:
         t0 = time.time()
@@ -182,14 +183,14 @@ def _probed_syncer(argv: list[str]) -> int:
         os.kill(os.getpid(), signal.SIGTERM)  # the syncer's own handler stops it
 
     threading.Thread(target=orphan_watchdog, name="bench-watchdog", daemon=True).start()
-    co.Coordinator._pin = pin  # type: ignore[method-assign]
-    co.Coordinator._on_init = on_init  # type: ignore[method-assign]
-    co.Coordinator._initial_cut = initial_cut  # type: ignore[method-assign]
+    pr.SyncerProtocol._pin = pin  # type: ignore[method-assign]
+    pr.SyncerProtocol._on_init = on_init  # type: ignore[method-assign]
+    pr.SyncerProtocol._initial_cut = initial_cut  # type: ignore[method-assign]
     transport.Reassembler._get = get  # type: ignore[method-assign]
     co.Coordinator.post = post  # type: ignore[method-assign]
     it.PushIntake.on_push = on_push  # type: ignore[method-assign]
     it.PushIntake.on_decoded = on_decoded  # type: ignore[method-assign]
-    co.check_finite = check_finite  # type: ignore[assignment]  # INIT payloads
+    pr.check_finite = check_finite  # type: ignore[assignment]  # INIT payloads
     pl.check_finite = check_finite  # type: ignore[assignment]  # PUSH payloads
     return main(argv)
 

@@ -140,6 +140,24 @@ def start_syncer(workdir: Path, key_file: Path, quorum: int, grace_s: float,
     raise SystemExit(f"the syncer did not start:\n{(workdir / f'syncer-{tag}.err').read_text(errors='replace')}")
 
 
+def stop_islands(halt: threading.Event, threads: list[threading.Thread], islands: list[Island],
+                 proc: subprocess.Popen[bytes]) -> None:
+    """Stop the islands' stepping threads, close their sessions, then stop the syncer."""
+    halt.set()
+    for t in threads:
+        t.join(10)
+    for i in islands:
+        i.session.close()
+    stop(proc)
+
+
+def raise_island_error(islands: list[Island]) -> None:
+    """An island's stepping thread failed: raise its error here."""
+    for i in islands:
+        if i.error is not None:
+            raise i.error
+
+
 def run_arm(name: str, quorum: int, args: argparse.Namespace, workdir: Path, key_file: Path) -> Arm:
     proc, address, tape = start_syncer(workdir, key_file, quorum, args.grace_s, name)
     fast = args.fast_step_ms / 1000.0
@@ -162,15 +180,8 @@ def run_arm(name: str, quorum: int, args: argparse.Namespace, workdir: Path, key
         steps1 = [i.session.stats.steps for i in islands]
         window = read_tape(tape)
     finally:
-        halt.set()
-        for t in threads:
-            t.join(10)
-        for i in islands:
-            i.session.close()
-        stop(proc)
-    for i in islands:
-        if i.error is not None:
-            raise i.error
+        stop_islands(halt, threads, islands, proc)
+    raise_island_error(islands)
     commits = [r for r in window if r.get("event") == "commit"]
     grace = [c["grace_ms"] for c in commits]
     return Arm(name=name, quorum=quorum, seconds=elapsed, rounds=len(commits),

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from syncer.plot import plot_tape
+
 ROOT = Path(__file__).resolve().parent.parent
 LEARNERS = 2
 FRAGMENTS = 4
@@ -78,20 +80,23 @@ def committed_rounds(tape: Path) -> int:
     return sum(1 for line in tape.read_text().splitlines() if '"event": "commit"' in line)
 
 
-def start_syncer(run: Path) -> tuple[subprocess.Popen[str], str]:
+def start_syncer(run: Path, status_port: int) -> tuple[subprocess.Popen[str], str, str]:
+    """The syncer, its address and its status page's address."""
     # No round budget: the syncer finalizes once both learners have trained their steps.
     cmd = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", str(LEARNERS),
            "--quorum", str(LEARNERS), "--fragments", str(FRAGMENTS), "--checkpoint", str(run / "syncer.ckpt"),
-           "--tape", str(run / "tape.jsonl"), "--key-file", str(run / "key")]
+           "--tape", str(run / "tape.jsonl"), "--key-file", str(run / "key"), "--metrics-port", str(status_port)]
     log = open(run / "syncer.log", "w")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
-    line = ""
+    line, page = "", ""
     while time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
+        if line.startswith("yeto syncer status page on "):
+            page = line.rsplit(" ", 1)[1].strip()
         if line.startswith("yeto syncer listening on "):
-            return proc, line.rsplit(" ", 1)[1].strip()
+            return proc, line.rsplit(" ", 1)[1].strip(), page
     proc.kill()
     raise SystemExit(f"the syncer did not start; see {run / 'syncer.log'}")
 
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="train one island alone beside them, for as many steps (default: yes)")
     p.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "main-job")
     p.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
+    p.add_argument("--status-port", type=int, default=0,
+                   help="the syncer's status page and /metrics port on 127.0.0.1 (0: a free one)")
     args = p.parse_args(argv)
 
     run = args.run_dir.resolve()
@@ -149,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[str]] = []
     rounds_each = args.max_steps // (24 // FRAGMENTS)  # a boundary every H/P steps, H = 24
     try:
-        syncer, address = start_syncer(run)
+        syncer, address, page = start_syncer(run, args.status_port)
         procs.append(syncer)
         print(f"syncer listening on {address}: {LEARNERS} learners x {args.max_steps} steps, {FRAGMENTS} fragments, "
               f"quorum {LEARNERS}", flush=True)
+        print(f"watch it live: {page} (status page; Prometheus metrics at {page}metrics)", flush=True)
         learners = [start_learner(i, run, address, args) for i in range(LEARNERS)]
         baseline = start_learner(0, run, None, args) if args.baseline else None
         watched = learners + ([baseline] if baseline else [])
@@ -206,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"final weights DIFFER: {detail}")
         return 1
+    try:
+        plots = plot_tape(run / "tape.jsonl", run / "plots")
+        print(f"plots of the run's tape (yeto-plot): {run / 'plots'} ({', '.join(p.name for p in plots)})")
+    except ModuleNotFoundError:
+        print("no plots: matplotlib is missing (pip install 'yeto[plot]')")
     print(f"done in {wall:.0f} s")
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -18,10 +19,14 @@ from pydantic.fields import FieldInfo
 from syncer.checkpoint import CheckpointError, SyncerState, last_generations, load_checkpoint
 from syncer.coordinator import Coordinator
 from syncer.gate import default_cap
-from syncer.links import backend_id
+from syncer.links import backend_id, sweep_problem
+from syncer.metrics import SyncerMetrics
 from syncer.payload import payload_screen
 from syncer.server import SyncerServer
+from syncer.status import StatusBoard
 from syncer.tape import EventTape
+from syncer.traffic import FanOut
+from syncer.web import serve
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings
 
 log = logging.getLogger("yeto.syncer")
@@ -105,8 +110,17 @@ def load_state(settings: SyncerSettings, device: torch.device) -> SyncerState | 
                             f"was started with --fragments {settings.fragments} --pattern {settings.pattern}")
     state.params = [t.to(device) for t in state.params]
     state.momentum = [t.to(device) for t in state.momentum]
+    if state.outer_accum is not None:
+        state.outer_accum = [t.to(device) for t in state.outer_accum]
     log.info("resumed from %s: round %d, versions %s", path, state.next_round, state.versions)
     return state
+
+
+def run_shape(settings: SyncerSettings, device: torch.device) -> dict[str, object]:
+    """The run's shape, as the status page heads it."""
+    return {"learners": settings.learners, "quorum": settings.effective_quorum, "fragments": settings.fragments,
+            "pattern": settings.pattern, "pipeline": settings.pipeline, "total_rounds": settings.total_rounds,
+            "merge": settings.merge, "device": str(device)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,20 +137,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     tape = EventTape(settings.tape)
+    metrics = SyncerMetrics(settings.fragments)
+    board = StatusBoard(run_shape(settings, device), settings.fragments)
+    tape.listeners += [metrics.observe, board.observe]
     faults = settings.fault_injector()  # one for the process: occurrences count across all its points
-    coordinator = Coordinator(settings, device=device, tape=tape, state=state, faults=faults)
+    coordinator = Coordinator(settings, device=device, tape=tape, state=state, faults=faults,
+                              observer=FanOut([metrics, board]))
     try:
         server = SyncerServer(
             host=settings.host, port=settings.port, key=key, num_fragments=settings.fragments,
             pattern=settings.pattern, post=coordinator.post, pinned_fingerprint=coordinator.pinned_fingerprint,
             max_payload=coordinator.max_payload, initial_cut_ready=coordinator.initial_cut_ready,
             id_conflict=coordinator.id_conflict,
+            schedule_problem=functools.partial(sweep_problem, fragments=settings.fragments, pipeline=settings.pipeline,
+                                               sync_interval_steps=settings.sync_interval_steps),
             handshake_timeout_s=settings.handshake_timeout_s,
             max_handshakes=settings.max_handshakes or default_cap(), heartbeat_s=settings.heartbeat_s,
             peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout_s,
             schedule=settings.wan_stream_schedule,
             generations=last_generations(state.ledger) if state is not None else None,
-            screen=payload_screen, faults=faults,
+            screen=payload_screen, faults=faults, on_refused=metrics.handshake_refused,
         )
     except OSError as exc:
         print(f"yeto syncer: cannot listen on {settings.host}:{settings.port}: {exc.strerror}", file=sys.stderr)
@@ -146,13 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.warning("signal %d: stopping (the last checkpoint stays valid)", signum)
         stop.set()
-        coordinator.post(None)
         coordinator.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    exposition = None
+    if settings.metrics_port is not None:
+        try:
+            exposition, metrics_port = serve(metrics.registry, board, settings.host, settings.metrics_port)
+        except OSError as exc:
+            server.close()
+            print(f"yeto syncer: cannot serve metrics on {settings.host}:{settings.metrics_port} (--metrics-port): "
+                  f"{exc.strerror}", file=sys.stderr)
+            return 2
     server.start()
     host, port = server.address
+    if exposition is not None:
+        print(f"yeto syncer metrics on http://{host}:{metrics_port}/metrics", flush=True)
+        print(f"yeto syncer status page on http://{host}:{metrics_port}/", flush=True)
     print(f"yeto syncer listening on {host}:{port}", flush=True)
     log.info("M=%d learners, quorum %d, %d %s fragments, %s rounds, merge on %s", settings.learners,
              settings.effective_quorum, settings.fragments, settings.pattern, settings.total_rounds or "unlimited",
@@ -162,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.close()
         tape.close()
+        if exposition is not None:
+            exposition.shutdown()
     if stop.is_set() and code == 0:
         code = 130
     log.info("syncer exits with code %d", code)
