@@ -62,6 +62,9 @@ ARMS: list[Arm] = [
     Arm("overlap", "yeto", learner={"overlap": True}, note="install by rebasing on Θ (Mix1)"),
     Arm("rda", "yeto", syncer=["--merge", "rda"], note="radial-directional averaging"),
     Arm("average", "yeto", syncer=["--merge", "average"], note="plain weighted average"),
+    Arm("iso", "yeto", syncer=["--merge", "iso"], note="rda, each matrix's merged update with a flat spectrum"),
+    # A flat spectrum shrinks the merged step's norm (s̄·√r < ‖s‖₂): iso wants a larger outer lr.
+    Arm("iso-lr-1", "yeto", syncer=["--merge", "iso", "--outer-lr", "1.0"], note="iso, outer lr 1.0"),
     Arm("heloco", "yeto", syncer=["--delta-correction", "heloco"], note="HeLoCo delta correction on"),
     Arm("no-heloco", "yeto", syncer=["--delta-correction", "none"], note="HeLoCo delta correction off"),
     # Its momentum moves once per 4 rounds of a fragment and each round steps lr/4: lr 4 x 0.5 keeps the scale.

@@ -6,7 +6,8 @@ fragment's flat buffer. The math, in the order the coordinator applies it:
 
 1. ``learner_weights`` — w_m = tokens_m² / steps_m, normalised.
 2. ``merge_deltas`` — per tensor (``Segment``) of the fragment, radial-directional averaging
-   (``rda``) or, for the embedding fragment, a plain weighted average (``weighted_average``).
+   (``rda``) or, for the embedding fragment, a plain weighted average (``weighted_average``);
+   with ``--merge iso``, each merged 2-D matrix then gets a flat spectrum (``syncer.iso``).
 3. ``outer_gradient`` — Δ = −merged delta.
 4. ``nesterov_step`` — the outer optimizer, SGD with Nesterov momentum.
 
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+
+from syncer.iso import isotropic_
 
 __all__ = [
     "Segment",
@@ -63,12 +66,14 @@ class Segment:
     """One tensor inside a fragment's flat buffer.
 
     ``rda`` selects radial-directional averaging; ``False`` selects the plain weighted average
-    used for embedding tensors.
+    used for embedding tensors. ``iso_shape`` (``--merge iso``, a 2-D matrix) flattens the
+    merged matrix's spectrum afterwards (``syncer.iso``).
     """
 
     offset: int
     numel: int
     rda: bool
+    iso_shape: tuple[int, int] | None = None
 
 
 def learner_weights(tokens: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
@@ -270,16 +275,19 @@ def merge_deltas(
     w32 = w64.float()
     if threads > 1 and deltas.device.type == "cpu":
         _merge_threaded(deltas, w64, w32, segments, result, threads)
-        return result
-    for seg in segments:
-        if seg.numel == 0:
-            continue
-        cols = deltas[:, seg.offset : seg.offset + seg.numel]
-        dst = result[seg.offset : seg.offset + seg.numel]
-        if seg.rda:
-            _rda_into(cols, w64, dst)
-        else:
-            _combine_into(cols, w32, dst)
+    else:
+        for seg in segments:
+            if seg.numel == 0:
+                continue
+            cols = deltas[:, seg.offset : seg.offset + seg.numel]
+            dst = result[seg.offset : seg.offset + seg.numel]
+            if seg.rda:
+                _rda_into(cols, w64, dst)
+            else:
+                _combine_into(cols, w32, dst)
+    for seg in segments:  # one SVD per matrix, in order: the same bits whatever the threads
+        if seg.iso_shape is not None and seg.numel:
+            isotropic_(result[seg.offset : seg.offset + seg.numel].view(seg.iso_shape))
     return result
 
 

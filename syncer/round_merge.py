@@ -1,10 +1,11 @@
 """One round's merge, as a function of tensors and settings (DESIGN §5).
 
-The coordinator hands over the answers of a closed round; this module corrects stale deltas
-(HeLoCo, optional), weights the learners (tokens²/steps), merges (RDA per tensor, plain average
-for the embedding), and takes the outer optimizer step in place on the fragment's params and
-momentum, unless it would overflow them: such a round is merged again without the learner whose
-delta is largest. No sockets, no clocks but a stopwatch.
+The protocol asks for the merge of a closed round (`effects.Merge`) and the shell's
+`RoundMerger` performs it: this module corrects stale deltas (HeLoCo, optional), weights the
+learners (tokens²/steps), merges (RDA per tensor, plain average for the embedding), and takes the
+outer optimizer step in place on the fragment's params and momentum, unless it would overflow
+them: such a round is merged again without the learner whose delta is largest. No sockets, no
+clocks but a stopwatch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import Any
 
 import torch
 
+from syncer.checkpoint import SyncerState
 from syncer.correction import HelocoConfig, heloco_correct
 from syncer.merge import Segment, accurate_norm, learner_weights, merge_deltas, outer_gradient
-from syncer.outer import ACCUM_KEY, OuterOptimizer
+from syncer.outer import ACCUM_KEY, COUNT_KEY, OuterOptimizer, OuterState, outer_optimizer
 from syncer.rounds import Answer
+from yeto_core.layout import Layout, TensorSlot
+from yeto_core.sections import MergeSettings
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 HEADROOM = 0.999
@@ -51,6 +55,49 @@ class MergeWorkspace:
         if buf is None or buf.numel() < numel or buf.device != device:
             buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
         return buf[:numel].view(shape)
+
+
+def fragment_segments(layout: Layout, merge: str) -> list[list[Segment]]:
+    """Per fragment, its tensors' spans and whether RDA merges each (`--merge rda` and `iso`:
+    every tensor but the embedding's) or the plain weighted average does; with `iso`, which are
+    the 2-D matrices whose merged update gets a flat spectrum."""
+    def segment(s: TensorSlot) -> Segment:
+        iso = merge == "iso" and not s.embedding and len(s.shape) == 2
+        return Segment(s.offset, s.numel, rda=merge in ("rda", "iso") and not s.embedding,
+                       iso_shape=(int(s.shape[0]), int(s.shape[1])) if iso else None)
+
+    return [[segment(s) for s in frag.slots] for frag in layout.fragments]
+
+
+class RoundMerger:
+    """The merges the protocol asks for, on the run's own tensors: one outer optimizer, HeLoCo's
+    settings, the merge threads and a workspace kept from round to round. Whatever the outer
+    optimizer remembers between rounds (delayed Nesterov's accumulator and count) lives in the
+    `SyncerState`, so a checkpoint holds it and a resume continues it."""
+
+    def __init__(self, merging: MergeSettings) -> None:
+        self.outer = outer_optimizer(merging)
+        # HeLoCo's confidence compares against an averaged momentum; ours is a 1/(1−μ)-longer sum.
+        self.heloco = (HelocoConfig(momentum_scale=1.0 - merging.outer_momentum)
+                       if merging.delta_correction == "heloco" else None)
+        self.threads = merging.merge_threads
+        self.workspace = MergeWorkspace()
+
+    def run(self, state: SyncerState, fragment: int, answers: list[Answer], segments: list[Segment]) -> MergeOutcome:
+        """Merge `answers` into fragment `fragment` of `state`, in place (the caller has made its
+        tensors writable: `leases.py`)."""
+        f = fragment
+        outer_state: OuterState = {}
+        if state.outer_accum is not None:
+            outer_state = {ACCUM_KEY: state.outer_accum[f], COUNT_KEY: state.outer_count[f]}
+        out = merge_round(answers, params=state.params[f], momentum=state.momentum[f], outer_state=outer_state,
+                          segments=segments, outer=self.outer, heloco=self.heloco, threads=self.threads,
+                          workspace=self.workspace)
+        if out.answers and state.outer_accum is not None:
+            accum = outer_state[ACCUM_KEY]
+            assert isinstance(accum, torch.Tensor)
+            state.outer_accum[f], state.outer_count[f] = accum, int(outer_state[COUNT_KEY])
+        return out
 
 
 def merge_round(

@@ -1,13 +1,12 @@
-"""`--merge {rda,average}`: which tensors RDA merges, and the backend id a checkpoint records."""
+"""`--merge {rda,iso,average}`: which tensors RDA merges, and the backend id a checkpoint records."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from syncer.coordinator import Coordinator
 from syncer.links import backend_id
-from syncer.tape import EventTape
+from syncer.round_merge import fragment_segments
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
 
@@ -18,12 +17,8 @@ SPECS = [TensorSpec("embed.weight", (8, 4), "float32", embedding=True), TensorSp
 
 
 def segments(merge: str) -> list[list[bool]]:
-    coordinator = Coordinator(SyncerSettings(merge=merge), device=torch.device("cpu"), tape=EventTape(None))
-    try:
-        coordinator._adopt_layout(build_layout(SPECS, 3, "binpack"))
-        return [[seg.rda for seg in frag] for frag in coordinator.segments]
-    finally:
-        coordinator._decoders.shutdown()
+    layout = build_layout(SPECS, 3, "binpack")
+    return [[seg.rda for seg in frag] for frag in fragment_segments(layout, SyncerSettings(merge=merge).merge)]
 
 
 def test_rda_merges_every_tensor_but_the_embedding() -> None:
@@ -34,10 +29,14 @@ def test_average_merges_every_tensor_by_the_plain_weighted_average() -> None:
     assert segments("average") == [[False], [False, False], [False]]
 
 
+def test_iso_merges_as_rda_does() -> None:
+    assert segments("iso") == segments("rda")  # and flattens the matrices' spectra (tests/unit/test_iso_merge.py)
+
+
 def test_the_backend_id_names_the_merge() -> None:
-    ids = {backend_id(SyncerSettings(merge=m, delta_correction=c).merging) for m in ("rda", "average")
+    ids = {backend_id(SyncerSettings(merge=m, delta_correction=c).merging) for m in ("rda", "iso", "average")
            for c in ("heloco", "none")}
-    assert len(ids) == 4  # --resume refuses a checkpoint made with another merge
+    assert len(ids) == 6  # --resume refuses a checkpoint made with another merge
     assert backend_id(SyncerSettings(merge="rda", delta_correction="heloco", outer_optimizer="nesterov").merging) == (
         "rda-heloco-nesterov-v1")  # checkpoints written before the setting existed still resume
 
@@ -45,8 +44,8 @@ def test_the_backend_id_names_the_merge() -> None:
 def test_an_unknown_merge_is_refused_with_the_setting_named() -> None:
     from yeto_core.settings import SettingsError, load_settings
 
-    with pytest.raises(SettingsError, match="--merge='iso'"):
-        load_settings(SyncerSettings, flags=True, merge="iso")
+    with pytest.raises(SettingsError, match="--merge='svd'"):
+        load_settings(SyncerSettings, flags=True, merge="svd")
 
 
 def test_the_shipped_outer_step_against_a_hand_reference() -> None:

@@ -1,0 +1,174 @@
+"""The merge methods side by side, on the same deltas in the same run: plain weighted average, RDA,
+HeLoCo + RDA, and iso (RDA, then each matrix's spectrum flattened, in the coordinator).
+
+    python -m benchmarks.merge_methods                                  # 1, 16, 64 MiB; M = 2, 4, 8
+    python -m benchmarks.merge_methods --sizes 1M 16M 64M 256M --learners 2 4 8 --repeat 5
+
+For each fragment size and learner count M it builds one fragment of 512 x 512 matrices (a
+remainder, if any, stands for an embedding and is averaged by every method) and M
+learners' float32 deltas, then times each method's `merge_deltas` (HeLoCo also corrects each
+learner's delta against a momentum first; iso's SVDs run after RDA). Columns:
+
+- **s/GB**: seconds per GB of learner deltas read (M · 4 · n bytes), median of `--repeat`;
+- **÷ avg**: the method's time over the plain average's (the goal for RDA is at most 1.5);
+- **norm err**: the largest relative error, over the fragment's matrices, of the merged tensor's
+  L2 norm against the same method computed in float64 (the goal is at most 1e-6);
+- **mem**: the peak resident memory the method added, per byte of merged fragment, sampled every
+  millisecond while it ran (glibc is asked to map every large allocation on its own, so freed
+  memory goes back at once and the next method starts from the same baseline).
+
+The worker pool of `--iso-worker-devices` is not built yet: iso runs in-process here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+import psutil
+import torch
+
+from benchmarks.wire import parse_count
+from syncer.correction import HelocoConfig, heloco_correct
+from syncer.iso import direction_weights
+from syncer.merge import Segment, merge_deltas
+
+MATRIX = (512, 512)  # 1 MiB of float32: the smallest fragment holds one
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc: allocations above this many bytes get their own mapping
+
+
+def segments_for(n: int, method: str) -> list[Segment]:
+    size = MATRIX[0] * MATRIX[1]
+    rda = method != "average"
+    segs = [Segment(i * size, size, rda=rda, iso_shape=MATRIX if method == "iso" else None) for i in range(n // size)]
+    start = (n // size) * size
+    return [*segs, Segment(start, n - start, rda=False)] if start < n else segs
+
+
+class PeakRss:
+    """The peak resident set size above the level at entry, sampled every millisecond."""
+
+    def __init__(self) -> None:
+        self._proc = psutil.Process()
+        self.peak = 0
+
+    def __enter__(self) -> PeakRss:
+        self._base = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
+            self._stop.wait(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
+
+
+def run_method(method: str, deltas: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor,
+               segments: list[Segment]) -> torch.Tensor:
+    if method == "heloco+rda":
+        config = HelocoConfig(momentum_scale=0.5)
+        corrected = torch.stack([heloco_correct(deltas[m], momentum, segments, config) for m in range(deltas.size(0))])
+        return merge_deltas(corrected, weights, segments)
+    return merge_deltas(deltas, weights, segments)
+
+
+def reference_norms(method: str, deltas: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor,
+                    segments: list[Segment]) -> list[float]:
+    """The matrices' merged norms, the same method in float64 (HeLoCo's correction in float32 first, as it runs)."""
+    if method == "heloco+rda":
+        config = HelocoConfig(momentum_scale=0.5)
+        deltas = torch.stack([heloco_correct(deltas[m], momentum, segments, config) for m in range(deltas.size(0))])
+    d64, w64 = deltas.double(), weights.double()
+    out = []
+    for seg in segments:
+        if seg.iso_shape is None and not seg.rda and method != "average":
+            continue  # the embedding-like remainder: no matrix
+        cols = d64[:, seg.offset : seg.offset + seg.numel]
+        if not seg.rda:
+            merged = (w64[:, None] * cols).sum(0)
+        else:
+            norms = cols.norm(dim=1)
+            u = (w64[:, None] * cols / norms[:, None]).sum(0)
+            merged = (w64 * norms).sum() * u / u.norm()
+        if seg.iso_shape is not None:  # the flattened matrix's norm: s̄·√(Σ w_i²), syncer/iso.py's weights
+            s = torch.linalg.svdvals(merged.view(seg.iso_shape))
+            w = direction_weights(s, seg.iso_shape)
+            out.append(float((w * s).sum() / w.sum() * (w * w).sum().sqrt()) if w.sum() > 0 else 0.0)
+            continue
+        out.append(float(merged.norm()))
+    return out
+
+
+def bench(n: int, learners: int, repeat: int) -> dict[str, dict[str, float]]:
+    g = torch.Generator().manual_seed(n + learners)
+    scales = torch.linspace(0.5, 2.0, learners)[:, None] * 1e-3
+    deltas = torch.randn(learners, n, generator=g) * scales
+    momentum = torch.randn(n, generator=g) * 1e-3
+    weights = torch.softmax(torch.randn(learners, generator=g, dtype=torch.float64), 0)
+    rows: dict[str, dict[str, float]] = {}
+    for method in ("average", "rda", "heloco+rda", "iso"):
+        segments = segments_for(n, method)
+        with PeakRss() as mem:
+            merged = run_method(method, deltas, weights, momentum, segments)
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            run_method(method, deltas, weights, momentum, segments)
+            times.append(time.perf_counter() - t0)
+        want = reference_norms(method, deltas, weights, momentum, segments)
+        got = [float(merged[s.offset : s.offset + s.numel].double().norm()) for s in segments
+               if s.rda or s.iso_shape is not None or method == "average"]
+        err = max((abs(a - b) / b for a, b in zip(got, want, strict=True) if b > 0), default=0.0)
+        rows[method] = {"s_per_gb": statistics.median(times) / (learners * 4 * n / 1e9), "norm_err": err,
+                        "mem": mem.peak / (4 * n)}
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    if MMAP_ENV not in os.environ:  # measure memory as it is used: re-run with every large allocation mapped alone
+        os.environ[MMAP_ENV] = str(1 << 17)
+        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.merge_methods", *(argv or sys.argv[1:])])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=parse_count, nargs="+", default=[1 << 20, 16 << 20, 64 << 20],
+                    help="fragment sizes in bytes (1M = 1 MiB)")
+    ap.add_argument("--learners", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bench(1 << 18, 2, 1)  # warm-up: torch's own first-use allocations are no method's
+    print(f"merge methods, {args.threads} torch thread(s), median of {args.repeat}; s/GB of learner deltas read")
+    print(f"{'fragment':>9} {'M':>2} {'method':>11} {'s/GB':>8} {'÷ avg':>7} {'norm err':>9} {'mem':>6}")
+    worst_ratio, worst_err = 0.0, 0.0
+    for size in args.sizes:
+        n = size // 4
+        for m in args.learners:
+            rows = bench(n, m, args.repeat)
+            avg = rows["average"]["s_per_gb"]
+            for method, r in rows.items():
+                ratio = r["s_per_gb"] / avg
+                print(f"{size / 2**20:>7.0f} MiB {m:>2} {method:>11} {r['s_per_gb']:>8.3f} {ratio:>7.2f} "
+                      f"{r['norm_err']:>9.1e} {r['mem']:>5.2f}x", flush=True)
+                if method == "rda":
+                    worst_ratio = max(worst_ratio, ratio)
+                if method != "average":
+                    worst_err = max(worst_err, r["norm_err"])
+    print(f"largest norm error = {worst_err:.1e} (goal <= 1e-6)")
+    print(f"ratio rda/average = {worst_ratio:.2f} (the largest; goal <= 1.5)")
+    return 0
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
