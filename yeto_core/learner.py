@@ -99,7 +99,9 @@ class LearnerSession:
                                  submit=lambda job: self.link.submit(job), say=say)
         self._layout_lock = threading.Lock()
         self._init_snapshot: list[torch.Tensor] | None = None  # learner 0: INIT values before the first cut
-        self._done_sent_generation: int | None = None
+        # DONE is owed once per connection, counted here: a restarted syncer numbers its
+        # generations from 1 again, so a DONE the dead one swallowed may share the new one's number.
+        self._done_sent_on: int | None = None
         self._generation: int | None = None
         self._last_step_at: float | None = None
         self._step_s: float | None = None
@@ -351,9 +353,9 @@ class LearnerSession:
                     log.warning("learner %d: the last sweep's pushes were not merged in time; asking for the final "
                                 "cut without them", s.learner_id)
                 settling = False
-            needs_done = self._generation is not None and self._done_sent_generation != self._generation
+            needs_done = self._generation is not None and self._done_sent_on != self.sync.links
             if not flushing and not settling and needs_done and self.link.send(Done(self.stats.steps)):
-                self._done_sent_generation = self._generation
+                self._done_sent_on = self.sync.links
             self._tick(0.05 if flushing or settling else 0.5)
             if self.final_ready:
                 self._install_final()

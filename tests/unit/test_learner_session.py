@@ -154,6 +154,31 @@ def test_finish_installs_the_final_cut_exactly() -> None:
     assert link.closed == "final cut installed"
 
 
+def test_done_is_said_again_to_a_restarted_syncer_whose_generations_start_over() -> None:
+    """A DONE sent as the old syncer died is lost with it; the new syncer numbers this learner's
+    first connection 1 again, so the learner owes DONE per connection, not per generation."""
+    w = torch.zeros(2)
+    s, link, _, _ = hand_fed([("w", w)])
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    restarted: list[bool] = []
+
+    def syncer() -> None:
+        dones = sum(isinstance(m, Done) for m in link.sent)
+        if dones == 1 and not restarted:  # the DONE went into a link that was already dead
+            restarted.append(True)
+            link.lose()
+            link.generation = 0  # a syncer started afresh
+            link.connect()
+        elif dones == 2 and not s.final_ready:
+            link.final(0, 1, torch.full((2,), 5.0))
+
+    link.on_wait = syncer
+    assert s.finish()
+    assert link.sent == [Done(0), Done(0)] and s.stats.connected_generations == [1, 1]
+    assert torch.equal(w, torch.full((2,), 5.0))
+
+
 def test_the_final_flush_pushes_what_trained_since_the_last_push_before_saying_done() -> None:
     w = torch.zeros(2)
     s, link, _, _ = hand_fed([("w", w)], final_flush=True, sync_interval=100)
