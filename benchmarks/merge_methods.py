@@ -1,5 +1,6 @@
 """The merge methods side by side, on the same deltas in the same run: plain weighted average, RDA,
-HeLoCo + RDA, and iso (RDA, then each matrix's spectrum flattened, in the coordinator).
+HeLoCo + RDA, and iso (RDA, then each matrix's spectrum flattened: in the coordinator, and in a
+pool of 1 and of 2 CPU worker processes, `--iso-worker-devices cpu` / `cpu,cpu`).
 
     python -m benchmarks.merge_methods                                  # 1, 16, 64 MiB; M = 2, 4, 8
     python -m benchmarks.merge_methods --sizes 1M 16M 64M 256M --learners 2 4 8 --repeat 5
@@ -15,9 +16,11 @@ learner's delta against a momentum first; iso's SVDs run after RDA). Columns:
   L2 norm against the same method computed in float64 (the goal is at most 1e-6);
 - **mem**: the peak resident memory the method added, per byte of merged fragment, sampled every
   millisecond while it ran (glibc is asked to map every large allocation on its own, so freed
-  memory goes back at once and the next method starts from the same baseline).
+  memory goes back at once and the next method starts from the same baseline). For the pools
+  it is the syncer's side only: each worker holds about two copies of the matrix it works on.
 
-The worker pool of `--iso-worker-devices` is not built yet: iso runs in-process here.
+The pools' workers run one torch thread each; their results are checked bit for bit against
+the in-process iso at one thread.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import torch
 from benchmarks.wire import parse_count
 from syncer.correction import HelocoConfig, heloco_correct
 from syncer.iso import direction_weights
+from syncer.iso_pool import IsoPool
 from syncer.merge import Segment, merge_deltas
+from yeto_core.settings import IsoWorkerSettings
 
 MATRIX = (512, 512)  # 1 MiB of float32: the smallest fragment holds one
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc: allocations above this many bytes get their own mapping
@@ -44,7 +49,8 @@ MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc: allocations above this many bytes 
 def segments_for(n: int, method: str) -> list[Segment]:
     size = MATRIX[0] * MATRIX[1]
     rda = method != "average"
-    segs = [Segment(i * size, size, rda=rda, iso_shape=MATRIX if method == "iso" else None) for i in range(n // size)]
+    iso = method.startswith("iso")
+    segs = [Segment(i * size, size, rda=rda, iso_shape=MATRIX if iso else None) for i in range(n // size)]
     start = (n // size) * size
     return [*segs, Segment(start, n - start, rda=False)] if start < n else segs
 
@@ -75,12 +81,12 @@ class PeakRss:
 
 
 def run_method(method: str, deltas: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor,
-               segments: list[Segment]) -> torch.Tensor:
+               segments: list[Segment], pools: dict[str, IsoPool]) -> torch.Tensor:
     if method == "heloco+rda":
         config = HelocoConfig(momentum_scale=0.5)
         corrected = torch.stack([heloco_correct(deltas[m], momentum, segments, config) for m in range(deltas.size(0))])
         return merge_deltas(corrected, weights, segments)
-    return merge_deltas(deltas, weights, segments)
+    return merge_deltas(deltas, weights, segments, iso=pools.get(method))
 
 
 def reference_norms(method: str, deltas: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor,
@@ -110,21 +116,26 @@ def reference_norms(method: str, deltas: torch.Tensor, weights: torch.Tensor, mo
     return out
 
 
-def bench(n: int, learners: int, repeat: int) -> dict[str, dict[str, float]]:
+def bench(n: int, learners: int, repeat: int, pools: dict[str, IsoPool]) -> dict[str, dict[str, float]]:
     g = torch.Generator().manual_seed(n + learners)
     scales = torch.linspace(0.5, 2.0, learners)[:, None] * 1e-3
     deltas = torch.randn(learners, n, generator=g) * scales
     momentum = torch.randn(n, generator=g) * 1e-3
     weights = torch.softmax(torch.randn(learners, generator=g, dtype=torch.float64), 0)
     rows: dict[str, dict[str, float]] = {}
-    for method in ("average", "rda", "heloco+rda", "iso"):
+    in_process: torch.Tensor | None = None
+    for method in ("average", "rda", "heloco+rda", "iso", *pools):
         segments = segments_for(n, method)
         with PeakRss() as mem:
-            merged = run_method(method, deltas, weights, momentum, segments)
+            merged = run_method(method, deltas, weights, momentum, segments, pools)
+        if method == "iso":
+            in_process = merged
+        elif method in pools and in_process is not None and not torch.equal(merged, in_process):
+            raise SystemExit(f"{method} differs from the in-process iso merge at {n * 4} bytes, M={learners}")
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            run_method(method, deltas, weights, momentum, segments)
+            run_method(method, deltas, weights, momentum, segments, pools)
             times.append(time.perf_counter() - t0)
         want = reference_norms(method, deltas, weights, momentum, segments)
         got = [float(merged[s.offset : s.offset + s.numel].double().norm()) for s in segments
@@ -145,16 +156,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="iso pools of this many CPU workers")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bench(1 << 18, 2, 1)  # warm-up: torch's own first-use allocations are no method's
+    pools = {f"iso/{k}w": IsoPool(["cpu"] * k, IsoWorkerSettings()) for k in args.workers}
+    try:
+        return report(args, pools)
+    finally:
+        for pool in pools.values():
+            pool.close()
+
+
+def report(args: argparse.Namespace, pools: dict[str, IsoPool]) -> int:
+    bench(1 << 18, 2, 1, pools)  # warm-up: torch's own first-use allocations are no method's
     print(f"merge methods, {args.threads} torch thread(s), median of {args.repeat}; s/GB of learner deltas read")
     print(f"{'fragment':>9} {'M':>2} {'method':>11} {'s/GB':>8} {'÷ avg':>7} {'norm err':>9} {'mem':>6}")
     worst_ratio, worst_err = 0.0, 0.0
     for size in args.sizes:
         n = size // 4
         for m in args.learners:
-            rows = bench(n, m, args.repeat)
+            rows = bench(n, m, args.repeat, pools)
             avg = rows["average"]["s_per_gb"]
             for method, r in rows.items():
                 ratio = r["s_per_gb"] / avg
@@ -164,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
                     worst_ratio = max(worst_ratio, ratio)
                 if method != "average":
                     worst_err = max(worst_err, r["norm_err"])
+    if pools:
+        print(f"iso pools ({', '.join(pools)}): bit-identical to the in-process iso in every cell")
     print(f"largest norm error = {worst_err:.1e} (goal <= 1e-6)")
     print(f"ratio rda/average = {worst_ratio:.2f} (the largest; goal <= 1.5)")
     return 0
-
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

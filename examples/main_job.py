@@ -1,6 +1,7 @@
 """The main job: a local syncer and two HF learners train one small Llama on this machine's CPU.
 
     python examples/main_job.py [--max-steps 240] [--no-baseline] [--run-dir runs/main-job]
+                                [--merge iso --iso-workers 2]
 
 It starts `python -m syncer` on 127.0.0.1 (a free port) and two `examples/hf_tiny_llama.py`
 islands, each on its own shard of English text, for `--max-steps` steps each; beside them, one
@@ -80,12 +81,15 @@ def committed_rounds(tape: Path) -> int:
     return sum(1 for line in tape.read_text().splitlines() if '"event": "commit"' in line)
 
 
-def start_syncer(run: Path, status_port: int) -> tuple[subprocess.Popen[str], str, str]:
+def start_syncer(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, str]:
     """The syncer, its address and its status page's address."""
     # No round budget: the syncer finalizes once both learners have trained their steps.
     cmd = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", str(LEARNERS),
            "--quorum", str(LEARNERS), "--fragments", str(FRAGMENTS), "--checkpoint", str(run / "syncer.ckpt"),
-           "--tape", str(run / "tape.jsonl"), "--key-file", str(run / "key"), "--metrics-port", str(status_port)]
+           "--tape", str(run / "tape.jsonl"), "--key-file", str(run / "key"), "--metrics-port", str(args.status_port),
+           "--merge", args.merge]
+    if args.iso_workers:
+        cmd += ["--iso-worker-devices", ",".join(["cpu"] * args.iso_workers)]
     log = open(run / "syncer.log", "w")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
@@ -144,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     p.add_argument("--status-port", type=int, default=0,
                    help="the syncer's status page and /metrics port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--merge", choices=("rda", "iso", "average"), default="rda",
+                   help="the syncer's merge (default rda; iso: each matrix's merged update with a flat spectrum)")
+    p.add_argument("--iso-workers", type=int, default=0,
+                   help="with --merge iso: SVD worker processes on this CPU (default 0: in the syncer)")
     args = p.parse_args(argv)
+    if args.iso_workers and args.merge != "iso":
+        p.error("--iso-workers needs --merge iso")
 
     run = args.run_dir.resolve()
     shutil.rmtree(run, ignore_errors=True)
@@ -156,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[str]] = []
     rounds_each = args.max_steps // (24 // FRAGMENTS)  # a boundary every H/P steps, H = 24
     try:
-        syncer, address, page = start_syncer(run, args.status_port)
+        syncer, address, page = start_syncer(run, args)
         procs.append(syncer)
         print(f"syncer listening on {address}: {LEARNERS} learners x {args.max_steps} steps, {FRAGMENTS} fragments, "
-              f"quorum {LEARNERS}", flush=True)
+              f"quorum {LEARNERS}, merge {args.merge}"
+              + (f" on {args.iso_workers} CPU workers" if args.iso_workers else ""), flush=True)
         print(f"watch it live: {page} (status page; Prometheus metrics at {page}metrics)", flush=True)
         learners = [start_learner(i, run, address, args) for i in range(LEARNERS)]
         baseline = start_learner(0, run, None, args) if args.baseline else None

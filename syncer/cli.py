@@ -19,6 +19,7 @@ from pydantic.fields import FieldInfo
 from syncer.checkpoint import CheckpointError, SyncerState, last_generations, load_checkpoint
 from syncer.coordinator import Coordinator
 from syncer.gate import default_cap
+from syncer.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.links import backend_id, sweep_problem
 from syncer.metrics import SyncerMetrics
 from syncer.payload import payload_screen
@@ -27,7 +28,7 @@ from syncer.status import StatusBoard
 from syncer.tape import EventTape
 from syncer.traffic import FanOut
 from syncer.web import serve
-from yeto_core.settings import SettingsError, SyncerSettings, load_settings
+from yeto_core.settings import IsoWorkerSettings, SettingsError, SyncerSettings, load_settings
 
 log = logging.getLogger("yeto.syncer")
 
@@ -133,16 +134,34 @@ def main(argv: list[str] | None = None) -> int:
         key = settings.read_key(key_file_flag=args.key_file is not None)
         device = resolve_device(settings.device)
         state = load_state(settings, device)
+        iso_settings = load_settings(IsoWorkerSettings) if settings.iso_devices else None
     except (SettingsError, CheckpointError) as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
+    pool = None
+    if iso_settings is not None:
+        try:
+            pool = IsoPool(settings.iso_devices, iso_settings, fault=settings.fault)
+        except IsoPoolError as exc:
+            print(f"yeto syncer: {exc}", file=sys.stderr)
+            return ISO_EXIT_CODE
+    try:
+        return serve_run(settings, key, device, state, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state: SyncerState | None,
+              pool: IsoPool | None) -> int:
+    """Listen, run the coordinator until the run ends, and say how it ended."""
     tape = EventTape(settings.tape)
     metrics = SyncerMetrics(settings.fragments)
     board = StatusBoard(run_shape(settings, device), settings.fragments)
     tape.listeners += [metrics.observe, board.observe]
     faults = settings.fault_injector()  # one for the process: occurrences count across all its points
     coordinator = Coordinator(settings, device=device, tape=tape, state=state, faults=faults,
-                              observer=FanOut([metrics, board]))
+                              observer=FanOut([metrics, board]), iso=pool)
     try:
         server = SyncerServer(
             host=settings.host, port=settings.port, key=key, num_fragments=settings.fragments,

@@ -43,16 +43,18 @@ from syncer.effects import (
     Log,
     Merge,
     Peer,
+    Prepare,
     Record,
     Send,
     StallTimeout,
 )
-from syncer.events import Connected, Decoded, Event, Got, Joined, Left, Merged, Stop, Synced
+from syncer.events import Connected, Decoded, Event, Got, Joined, Left, Merged, Prepared, Stop, Synced
+from syncer.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.leases import Leases
 from syncer.links import Phase, id_conflict
 from syncer.payload import decode_delta
 from syncer.protocol import SyncerProtocol
-from syncer.round_merge import RoundMerger
+from syncer.round_merge import PreparedMerge, RoundMerger
 from syncer.tape import EventTape
 from syncer.traffic import BroadcastTimer, ShellObserver, wire_size
 from yeto_core.codecs import tensor_bytes
@@ -79,9 +81,11 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         faults: FaultInjector = NO_FAULTS,
         observer: ShellObserver | None = None,
+        iso: IsoPool | None = None,
     ) -> None:
         # `faults` is built once from the settings by the caller (`cli.main`); `observer` (the
-        # metrics) hears of the bytes on the wire and the broadcasts' durations.
+        # metrics) hears of the bytes on the wire and the broadcasts' durations; `iso` (the caller
+        # starts and closes it) runs the SVDs of `--merge iso` in worker processes.
         self.settings = settings
         self.observer = observer
         self.clock = clock
@@ -95,8 +99,12 @@ class Coordinator:
         self.checkpoints = Checkpointing(settings.checkpoint, background=settings.background_checkpoint,
                                          retry_s=settings.checkpoint_retry_s, leases=self.leases, tape=tape,
                                          faults=faults)
-        self.merger = RoundMerger(settings.merging)
+        self.merger = RoundMerger(settings.merging, iso=iso)
+        self.iso = iso
         self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
+        # The heavy halves of merges run ahead here (`effects.Prepare`): one thread per round in flight.
+        self._preparers = ThreadPoolExecutor(max_workers=settings.pipeline, thread_name_prefix="syncer-prepare")
+        self._prepared: dict[int, Future[PreparedMerge]] = {}  # attempt -> its heavy half
         self._merge_started = 0.0
 
     # -- read by server threads (immutable references, safe to read without a lock) -----------
@@ -138,6 +146,8 @@ class Coordinator:
                 event = None
             self.handle(event)
         self._decoders.shutdown(wait=True)
+        self._preparers.shutdown(wait=True)  # each ends within the pool's deadlines (or on its poison)
+        self._prepared.clear()
         if self.checkpoints.writer is not None:  # never exit in the middle of a background write
             try:
                 self.checkpoints.writer.wait()
@@ -158,6 +168,13 @@ class Coordinator:
             ev = pending.popleft()
             if isinstance(ev, Connected):
                 ev = self._connected(ev)
+            elif isinstance(ev, Prepared) and self._prepared[ev.attempt].exception() is not None:
+                failure = self._prepared[ev.attempt].exception()
+                if not isinstance(failure, IsoPoolError):
+                    raise RuntimeError(f"the merge of round {ev.round} failed") from failure
+                log.critical("%s", failure)  # nothing of the fragment was written: the last checkpoint stands
+                print(f"yeto syncer: {failure}", file=sys.stderr, flush=True)
+                ev = Stop(ISO_EXIT_CODE, "the iso worker pool failed")
             elif isinstance(ev, Left):
                 self._retire(self.groups.pop(Peer(ev.learner_id, ev.generation), None))
             elif isinstance(ev, Got) and self.observer is not None:
@@ -170,6 +187,10 @@ class Coordinator:
                 log.critical("%s", exc)
                 print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
                 pending = collections.deque([Stop(DURABILITY_EXIT_CODE, "no durable checkpoint")])
+            except IsoPoolError as exc:  # the merge wrote nothing of the fragment: the last checkpoint stands
+                log.critical("%s", exc)
+                print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
+                pending = collections.deque([Stop(ISO_EXIT_CODE, "the iso worker pool failed")])
 
     def _connected(self, ev: Connected) -> Joined:
         """A new connection group: kept for the protocol's sends; its id checked against the holder's."""
@@ -207,6 +228,8 @@ class Coordinator:
                     record = {**record, "checkpoint_ms": round(held_ms, 1)}
                 self.tape.append(record)
             elif isinstance(effect, Checkpoint):
+                if self.iso is not None:  # nothing of the pool's may be outstanding at a durable cut
+                    self.iso.drain()
                 held_ms = self.checkpoints.save(self.protocol.state, wait=effect.wait)
             elif isinstance(effect, FaultPoint):
                 if effect.drain and self.faults.armed(effect.name):
@@ -225,6 +248,8 @@ class Coordinator:
                 log.log(effect.level, "%s", effect.message)
             elif isinstance(effect, Decode):
                 self._decode(effect)
+            elif isinstance(effect, Prepare):
+                self._prepare(effect)
             elif isinstance(effect, Merge):
                 if committing is not None:
                     back.append(Synced(committing, time.perf_counter() - self._merge_started))
@@ -290,6 +315,14 @@ class Coordinator:
 
         future.add_done_callback(done)
 
+    def _prepare(self, effect: Prepare) -> None:
+        state = self.protocol.state
+        assert state is not None
+        future = self._preparers.submit(self.merger.prepare, state.momentum[effect.fragment], list(effect.answers),
+                                        list(effect.segments))
+        self._prepared[effect.attempt] = future
+        future.add_done_callback(lambda _: self.post(Prepared(effect.round, effect.attempt)))
+
     def _merge(self, effect: Merge) -> Merged:
         self._merge_started = time.perf_counter()
         state = self.protocol.state
@@ -297,4 +330,10 @@ class Coordinator:
         f = effect.fragment
         # A send or a background checkpoint still reading fragment f keeps the values it reads.
         self.leases.writable(f, {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum})
-        return Merged(effect.round, self.merger.run(state, f, list(effect.answers), list(effect.segments)))
+        prepared = None
+        if effect.prepared is not None:
+            prepared = self._prepared.pop(effect.prepared).result()  # done: the protocol saw its Prepared
+            for stale in [a for a, fut in self._prepared.items() if fut.done() and a < effect.prepared]:
+                del self._prepared[stale]  # rounds abandoned or attempts superseded
+        return Merged(effect.round, self.merger.run(state, f, list(effect.answers), list(effect.segments),
+                                                    prepared=prepared))

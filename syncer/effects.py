@@ -77,9 +77,24 @@ class Checkpoint:
 @dataclass(frozen=True, slots=True)
 class Merge:
     """Merge `answers` into fragment `fragment`'s params and momentum (in place, on the merge
-    device); the shell answers with `events.Merged` before it takes any other event."""
+    device); the shell answers with `events.Merged` before it takes any other event. `prepared`:
+    the attempt whose `Prepare` is done, its heavy half to use."""
 
     round: int
+    fragment: int
+    answers: tuple[Answer, ...]
+    segments: tuple[Segment, ...]
+    prepared: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """Start the heavy half of attempt `attempt`'s merge (RDA and the SVDs of `--merge iso`, in the
+    worker pool) off the coordinator's thread, ahead of the commit order; it reads the deltas and
+    the fragment's momentum, writes nothing of the state, and comes back as `events.Prepared`."""
+
+    round: int
+    attempt: int
     fragment: int
     answers: tuple[Answer, ...]
     segments: tuple[Segment, ...]
@@ -115,4 +130,4 @@ class FaultPoint:
     drain: bool = False
 
 
-Effect = Send | Close | StallTimeout | Record | Checkpoint | Merge | Decode | Log | FaultPoint
+Effect = Send | Close | StallTimeout | Record | Checkpoint | Merge | Prepare | Decode | Log | FaultPoint

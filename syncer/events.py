@@ -2,9 +2,10 @@
 
 The server's threads post `Connected` (a connection group passed its handshake; the shell keeps
 the group and hands the protocol its `Joined`), `Got` (a message from a learner, with its
-payload) and `Left` (a group closed); the decode pool posts `Decoded`. The shell itself produces
-`Merged` and `Synced` when it has performed a merge the protocol asked for, and `Stop` when the
-run must end without finalizing (a signal, a lost checkpoint disk). The protocol handles them one
+payload) and `Left` (a group closed); the decode pool posts `Decoded`, the prepare threads
+`Prepared`. The shell itself produces `Merged` and `Synced` when it has performed a merge the
+protocol asked for, and `Stop` when the run must end without finalizing (a signal, a lost
+checkpoint disk, a failed iso worker). The protocol handles them one
 at a time, in the order they come (`protocol.SyncerProtocol.handle`).
 """
 
@@ -80,6 +81,15 @@ class Merged:
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """The heavy half of attempt `attempt`'s merge (`effects.Prepare`) is done; the shell keeps the
+    result for the `Merge` that names it. A failure never reaches the protocol: the shell stops."""
+
+    round: int
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Synced:
     """The commit of `round` held the coordinator `seconds`: its merge, checkpoint and the hand-over
     of its sends (ξ_sync of the grace window)."""
@@ -96,4 +106,4 @@ class Stop:
     reason: str = "stop requested"
 
 
-Event = Joined | Got | Left | Decoded | Merged | Synced | Stop
+Event = Joined | Got | Left | Decoded | Merged | Prepared | Synced | Stop

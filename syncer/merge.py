@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -67,13 +68,20 @@ class Segment:
 
     ``rda`` selects radial-directional averaging; ``False`` selects the plain weighted average
     used for embedding tensors. ``iso_shape`` (``--merge iso``, a 2-D matrix) flattens the
-    merged matrix's spectrum afterwards (``syncer.iso``).
+    merged matrix's spectrum afterwards (``syncer.iso``); ``name`` is the tensor's, for errors.
     """
 
     offset: int
     numel: int
     rda: bool
     iso_shape: tuple[int, int] | None = None
+    name: str = ""
+
+
+class Flattener(Protocol):
+    """Where the merged matrices of ``--merge iso`` get their flat spectrum: an `IsoPool`."""
+
+    def flatten(self, matrices: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
 
 def learner_weights(tokens: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
@@ -246,6 +254,7 @@ def merge_deltas(
     out: torch.Tensor | None = None,
     *,
     threads: int = 1,
+    iso: Flattener | None = None,
 ) -> torch.Tensor:
     """Merge one fragment's ``[M, N]`` learner deltas into a float32 ``[N]`` merged delta.
 
@@ -257,6 +266,9 @@ def merge_deltas(
     has its norms taken by one call each, as serially, and its weighted sum and rescaling cut at
     the serial path's chunk boundaries. Other devices ignore ``threads`` (their kernels are
     asynchronous already).
+
+    ``iso`` (an `IsoPool`) flattens the ``iso_shape`` matrices' spectra in its worker processes
+    instead of here, one whole matrix per worker: the same bits whatever the workers.
     """
     _check_pair("merge_deltas", deltas, weights)
     if threads < 1:
@@ -285,9 +297,13 @@ def merge_deltas(
                 _rda_into(cols, w64, dst)
             else:
                 _combine_into(cols, w32, dst)
-    for seg in segments:  # one SVD per matrix, in order: the same bits whatever the threads
-        if seg.iso_shape is not None and seg.numel:
-            isotropic_(result[seg.offset : seg.offset + seg.numel].view(seg.iso_shape))
+    matrices = [(seg.name or f"at offset {seg.offset}", result[seg.offset : seg.offset + seg.numel].view(seg.iso_shape))
+                for seg in segments if seg.iso_shape is not None and seg.numel]
+    if iso is not None and matrices:
+        iso.flatten(matrices)
+    else:
+        for _, matrix in matrices:  # one SVD per matrix, in order: the same bits whatever the threads
+            isotropic_(matrix)
     return result
 
 

@@ -28,8 +28,8 @@ import torch
 from syncer.checkpoint import SyncerState, tokens_by_learner
 from syncer.commit import Commit
 from syncer.consensus import ConsensusBoard
-from syncer.effects import Checkpoint, Close, Effect, FaultPoint, Log, Merge, Send, StallTimeout
-from syncer.events import Decoded, Event, Got, Joined, Left, Merged, Stop, Synced
+from syncer.effects import Checkpoint, Close, Effect, FaultPoint, Log, Merge, Prepare, Send, StallTimeout
+from syncer.events import Decoded, Event, Got, Joined, Left, Merged, Prepared, Stop, Synced
 from syncer.finale import Finale
 from syncer.intake import PushIntake
 from syncer.links import Link, Phase, backend_id, layout_mismatch, scheduler_config
@@ -109,6 +109,11 @@ class SyncerProtocol:
         self._last_launch: float | None = None
         self._last_wait_reason = ""
         self._merging: int | None = None  # the round whose merge the shell is performing
+        # With iso workers the heavy half of each merge runs ahead (`effects.Prepare`): the SVDs of
+        # rounds on different fragments overlap in the pool while commits stay in round order.
+        self._prepares = bool(settings.iso_devices)
+        self._preparing: set[int] = set()  # attempts whose Prepare is out
+        self._prepared: set[int] = set()  # attempts whose Prepare is done
         self.next_launch = state.next_round if state is not None else 0
         if state is not None:
             if not state.merged_by:  # a checkpoint from before merges were recorded: nothing known
@@ -174,6 +179,9 @@ class SyncerProtocol:
             assert event.round == self._merging, (event.round, self._merging)
             self._merging = None
             self.commits.merged(event.round, event.outcome)
+        elif isinstance(event, Prepared):
+            if event.attempt in self._preparing:  # else: a round abandoned meanwhile
+                self._prepared.add(event.attempt)
         elif isinstance(event, Synced):
             self.commits.synced(event.round, event.seconds)
         elif isinstance(event, Joined):
@@ -390,14 +398,40 @@ class SyncerProtocol:
             if len(live) < quorum:
                 break
             self._launch(parked.round, live, f"relaunched: {len(live)} learners live, quorum {quorum}")
+        if self._prepares:
+            self._prepare_ahead()
         closed = run.rounds.entry(run.state.next_round)  # commits strictly in round order
         if closed is not None and closed.state is RoundState.CLOSED:
-            assert closed.attempt is not None
-            self._merging = closed.round
-            f = closed.attempt.fragment
-            run.emit(Merge(closed.round, f, tuple(closed.attempt.answers.values()), tuple(self.segments[f])))
-            return  # the rest of the turn comes when the merge is back
+            last = closed.attempt
+            assert last is not None
+            if not self._prepares or last.attempt in self._prepared:
+                self._merging = closed.round
+                f = last.fragment
+                prepared = None
+                if self._prepares:
+                    prepared = last.attempt
+                    self._preparing.discard(prepared)
+                    self._prepared.discard(prepared)
+                run.emit(Merge(closed.round, f, tuple(last.answers.values()), tuple(self.segments[f]),
+                               prepared=prepared))
+                return  # the rest of the turn comes when the merge is back
         self._maybe_launch(live)
+
+    def _prepare_ahead(self) -> None:
+        """Ask for the heavy half of every closed round's merge as soon as it closes, unless a
+        round before it on the same fragment is not committed yet (its commit moves the momentum
+        this half reads)."""
+        run = self.shared
+        assert run.layout is not None
+        busy: set[int] = set()  # fragments with an earlier round in flight
+        for entry in run.rounds.in_state(RoundState.OPEN, RoundState.GRACE, RoundState.PARKED, RoundState.CLOSED):
+            a = entry.attempt
+            f = a.fragment if a is not None else fragment_of_round(entry.round, run.layout.num_fragments)
+            ready = entry.state is RoundState.CLOSED and a is not None and f not in busy
+            if ready and a is not None and a.attempt not in self._preparing:
+                self._preparing.add(a.attempt)
+                run.emit(Prepare(entry.round, a.attempt, f, tuple(a.answers.values()), tuple(self.segments[f])))
+            busy.add(f)
 
     def _maybe_launch(self, live: dict[int, int]) -> None:
         run, now = self.shared, self.shared.now

@@ -19,7 +19,7 @@ import torch
 
 from syncer.checkpoint import SyncerState
 from syncer.correction import HelocoConfig, heloco_correct
-from syncer.merge import Segment, accurate_norm, learner_weights, merge_deltas, outer_gradient
+from syncer.merge import Flattener, Segment, accurate_norm, learner_weights, merge_deltas, outer_gradient
 from syncer.outer import ACCUM_KEY, COUNT_KEY, OuterOptimizer, OuterState, outer_optimizer
 from syncer.rounds import Answer
 from yeto_core.layout import Layout, TensorSlot
@@ -64,7 +64,7 @@ def fragment_segments(layout: Layout, merge: str) -> list[list[Segment]]:
     def segment(s: TensorSlot) -> Segment:
         iso = merge == "iso" and not s.embedding and len(s.shape) == 2
         return Segment(s.offset, s.numel, rda=merge in ("rda", "iso") and not s.embedding,
-                       iso_shape=(int(s.shape[0]), int(s.shape[1])) if iso else None)
+                       iso_shape=(int(s.shape[0]), int(s.shape[1])) if iso else None, name=s.name)
 
     return [[segment(s) for s in frag.slots] for frag in layout.fragments]
 
@@ -75,7 +75,8 @@ class RoundMerger:
     optimizer remembers between rounds (delayed Nesterov's accumulator and count) lives in the
     `SyncerState`, so a checkpoint holds it and a resume continues it."""
 
-    def __init__(self, merging: MergeSettings) -> None:
+    def __init__(self, merging: MergeSettings, *, iso: Flattener | None = None) -> None:
+        self.iso = iso  # the iso worker pool, when there is one
         self.outer = outer_optimizer(merging)
         # HeLoCo's confidence compares against an averaged momentum; ours is a 1/(1−μ)-longer sum.
         self.heloco = (HelocoConfig(momentum_scale=1.0 - merging.outer_momentum)
@@ -83,21 +84,67 @@ class RoundMerger:
         self.threads = merging.merge_threads
         self.workspace = MergeWorkspace()
 
-    def run(self, state: SyncerState, fragment: int, answers: list[Answer], segments: list[Segment]) -> MergeOutcome:
+    def prepare(self, momentum: torch.Tensor, answers: list[Answer], segments: list[Segment]) -> PreparedMerge:
+        """The heavy half of a merge, on any thread (its own scratch: the workspace is the commit's)."""
+        return prepare_merge(answers, momentum=momentum, segments=segments, heloco=self.heloco,
+                             threads=self.threads, iso=self.iso)
+
+    def run(self, state: SyncerState, fragment: int, answers: list[Answer], segments: list[Segment],
+            prepared: PreparedMerge | None = None) -> MergeOutcome:
         """Merge `answers` into fragment `fragment` of `state`, in place (the caller has made its
-        tensors writable: `leases.py`)."""
+        tensors writable: `leases.py`); `prepared`: its heavy half, done ahead by `prepare`."""
         f = fragment
         outer_state: OuterState = {}
         if state.outer_accum is not None:
             outer_state = {ACCUM_KEY: state.outer_accum[f], COUNT_KEY: state.outer_count[f]}
         out = merge_round(answers, params=state.params[f], momentum=state.momentum[f], outer_state=outer_state,
                           segments=segments, outer=self.outer, heloco=self.heloco, threads=self.threads,
-                          workspace=self.workspace)
+                          workspace=self.workspace, iso=self.iso, prepared=prepared)
         if out.answers and state.outer_accum is not None:
             accum = outer_state[ACCUM_KEY]
             assert isinstance(accum, torch.Tensor)
             state.outer_accum[f], state.outer_count[f] = accum, int(outer_state[COUNT_KEY])
         return out
+
+
+@dataclass(frozen=True)
+class PreparedMerge:
+    """The heavy half of a round's merge, done ahead of its commit (`prepare_merge`): the learners'
+    weights and the outer gradient of every delta whose norm fits float32. Only the outer step is
+    left, and it reads nothing this half wrote but `grad`."""
+
+    ordered: list[Answer]  # in learner-id order, without the overflowed
+    norms: dict[int, float]
+    overflowed: dict[int, float]
+    weights: torch.Tensor | None
+    grad: torch.Tensor | None
+    ms: float
+
+
+def prepare_merge(
+    answers: list[Answer],
+    *,
+    momentum: torch.Tensor,
+    segments: list[Segment],
+    heloco: HelocoConfig | None,
+    threads: int = 1,
+    workspace: MergeWorkspace | None = None,
+    iso: Flattener | None = None,
+) -> PreparedMerge:
+    """Weights and outer gradient of `answers` (RDA, and with `--merge iso` the SVDs). It reads
+    the fragment's momentum (HeLoCo) and no params, so it may run before the rounds ahead of it
+    commit, as long as none of them is on the same fragment."""
+    t0 = time.perf_counter()
+    ordered = sorted(answers, key=lambda a: a.learner_id)
+    norms = {a.learner_id: accurate_norm(a.delta) for a in ordered}
+    # A delta whose norm does not fit float32 (values past ~1e19 do that) cannot be weighed by RDA.
+    overflowed = {a.learner_id: max_abs(a.delta) for a in ordered if not math.isfinite(norms[a.learner_id])}
+    ordered = [a for a in ordered if a.learner_id not in overflowed]
+    weights = grad = None
+    if ordered:
+        weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
+                                        threads=threads, workspace=workspace, iso=iso)
+    return PreparedMerge(ordered, norms, overflowed, weights, grad, (time.perf_counter() - t0) * 1000)
 
 
 def merge_round(
@@ -111,6 +158,8 @@ def merge_round(
     heloco: HelocoConfig | None,
     threads: int = 1,
     workspace: MergeWorkspace | None = None,
+    iso: Flattener | None = None,
+    prepared: PreparedMerge | None = None,
 ) -> MergeOutcome:
     """Merge one fragment's answers into `params` / `momentum` (in place), never into NaN or Inf.
 
@@ -118,43 +167,48 @@ def merge_round(
     3e38 averaged and stepped with momentum makes the fragment Inf. So the step is screened
     first (`screen_step`); a merge that would overflow is done again without the learner whose
     delta is largest, until one fits. Those learners are in `overflowed`; when none fits, nothing
-    is written and `answers` is empty.
+    is written and `answers` is empty. `prepared`: the first merge, done ahead (`prepare_merge`)
+    on these same answers; the outcome is the same bits as without it.
     """
     t0 = time.perf_counter()
-    ordered = sorted(answers, key=lambda a: a.learner_id)
-    norms = {a.learner_id: accurate_norm(a.delta) for a in ordered}
-    # A delta whose norm does not fit float32 (values past ~1e19 do that) cannot be weighed by RDA.
-    overflowed = {a.learner_id: max_abs(a.delta) for a in ordered if not math.isfinite(norms[a.learner_id])}
-    ordered = [a for a in ordered if a.learner_id not in overflowed]
+    first = prepared or prepare_merge(answers, momentum=momentum, segments=segments, heloco=heloco,
+                                      threads=threads, workspace=workspace, iso=iso)
+    spent_ms = first.ms if prepared is not None else 0.0  # its time counts as the merge's
+    ordered, norms, overflowed = list(first.ordered), first.norms, dict(first.overflowed)
+    weights, grad = first.weights, first.grad
     while ordered:
-        weights, grad = _outer_gradient(ordered, params=params, momentum=momentum, segments=segments,
-                                        heloco=heloco, threads=threads, workspace=workspace)
+        if grad is None or weights is None:
+            weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
+                                            threads=threads, workspace=workspace, iso=iso)
         scratch = None if workspace is None else workspace.take("step", tuple(params.shape), params.device)
         grad_norm = accurate_norm(grad)
         if screen_step(outer, params, momentum, grad, outer_state, grad_norm=grad_norm, scratch=scratch):
             return MergeOutcome(ordered, [float(w) for w in weights], grad_norm,
-                                [norms[a.learner_id] for a in ordered], (time.perf_counter() - t0) * 1000, overflowed)
+                                [norms[a.learner_id] for a in ordered],
+                                spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
         largest = [max_abs(a.delta) for a in ordered]
         worst = max(range(len(ordered)), key=lambda i: largest[i])
         overflowed[ordered.pop(worst).learner_id] = largest[worst]
-    return MergeOutcome([], [], 0.0, [], (time.perf_counter() - t0) * 1000, overflowed)
+        weights = grad = None
+    return MergeOutcome([], [], 0.0, [], spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
 
 
 def _outer_gradient(
-    ordered: list[Answer], *, params: torch.Tensor, momentum: torch.Tensor, segments: list[Segment],
-    heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None,
+    ordered: list[Answer], *, momentum: torch.Tensor, segments: list[Segment],
+    heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None, iso: Flattener | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The learners' weights and the fragment's outer gradient."""
     weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
     rows = [a.delta for a in ordered]
-    stacked = None if workspace is None else workspace.take("deltas", (len(rows), params.numel()), params.device)
+    stacked = None if workspace is None else workspace.take("deltas", (len(rows), momentum.numel()),
+                                                            momentum.device)
     deltas = torch.stack(rows, out=stacked)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
             heloco_correct(row, momentum, segments, heloco, out=row)
-    out = None if workspace is None else workspace.take("merged", (params.numel(),), params.device)
+    out = None if workspace is None else workspace.take("merged", (momentum.numel(),), momentum.device)
     merged = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, out=out,
-                          threads=threads)
+                          threads=threads, iso=iso)
     return weights, outer_gradient(merged, out=merged)  # the merged delta is not needed after
 
 

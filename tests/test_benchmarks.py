@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
     ("benchmarks.merge", ["--elements", "2M", "--learners", "2", "--repeat", "1"], "ratio merge/copy = "),
     ("benchmarks.merge_methods", ["--sizes", "1M", "--learners", "2", "--repeat", "1"], "ratio rda/average = "),
     ("benchmarks.rl_sweep", ["--mib", "8", "--iterations", "2"], "ratio sweep/raw_loopback = "),
+    # the GPU check's merge script, dry-run on the CPU (the device checked is the CPU itself)
+    ("benchmarks.gpu.merge_check", ["--device", "cpu", "--mib", "1", "--learners", "2", "--repeat", "1"],
+     "gpu merge check: ok"),
 ])
 def test_benchmark_runs(module: str, args: list[str], last: str) -> None:
     out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=110)

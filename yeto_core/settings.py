@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
@@ -264,6 +265,9 @@ class SyncerSettings(BaseSettings):
                                                         "oppose the outer momentum (HeLoCo) or not; HeLoCo "
                                                         "measured no better in compare_diloco")
     merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
+    iso_worker_devices: str = Field(default="", description="with --merge iso: one SVD worker process per listed "
+                                    "device, e.g. cpu,cpu or cuda:0,cuda:1 (none: the SVDs run in the syncer); "
+                                    "deadlines from YETO_ISO_WORKER_*")
     decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")
     round_timeout_s: float = Field(default=120.0, gt=0, description="a round below quorum retries after this")
     pipeline: int = Field(default=2, ge=1, description="rounds in flight, on distinct fragments (1 = serial)")
@@ -315,6 +319,21 @@ class SyncerSettings(BaseSettings):
             raise ValueError(f"quorum {v} exceeds learners {learners}")
         return v
 
+    @field_validator("iso_worker_devices")
+    @classmethod
+    def _iso_devices(cls, v: str, info: ValidationInfo) -> str:
+        devices = [d.strip() for d in v.split(",") if d.strip()]
+        for d in devices:
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+                raise ValueError(f"{d!r} is not a device (cpu, cuda or cuda:N)")
+        if devices and info.data.get("merge") != "iso":
+            raise ValueError(f"iso workers need --merge iso (merge is {info.data.get('merge')})")
+        return ",".join(devices)
+
+    @property
+    def iso_devices(self) -> list[str]:
+        return [d for d in self.iso_worker_devices.split(",") if d]
+
     @property
     def effective_quorum(self) -> int:
         return self.quorum or self.learners
@@ -334,6 +353,24 @@ class SyncerSettings(BaseSettings):
     def fault_injector(self) -> faults.FaultInjector:
         """This process's fault injector, to build once and pass to whatever holds a point."""
         return faults.FaultInjector(self.fault) if self.fault else faults.NO_FAULTS
+
+
+class IsoWorkerSettings(BaseSettings):
+    """The isotropic-merge worker pool of `--iso-worker-devices` (`YETO_ISO_WORKER_*`)."""
+
+    model_config = SettingsConfigDict(env_prefix="YETO_ISO_WORKER_", extra="forbid", frozen=True,
+                                      allow_inf_nan=False)
+
+    startup_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="every worker must be ready "
+                                     "(torch imported, its device set up) this long after the first starts")
+    request_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="a worker must answer one matrix "
+                                     "within this, or it is killed and the pool poisoned")
+    drain_timeout_s: float = Field(default=900.0, gt=0, le=86400, description="before a checkpoint or the final "
+                                   "cut, the queued and running matrices must be done within this")
+    threads: int = Field(default=1, ge=1, le=256, description="torch threads of each worker (the same in every "
+                         "worker, so any worker gives the same bits)")
+    queue: int = Field(default=0, ge=0, le=4096, description="matrices queued or running at once "
+                       "(0: two per worker)")
 
 
 S = TypeVar("S", bound=BaseSettings)

@@ -147,23 +147,3 @@ def test_overlapping_learners_with_a_blocking_embedding_end_identical(procs: Pro
         assert_bit_identical(model_tensors(model_dir(lp)), ckpt, f"{lp.name} vs checkpoint")
     done = commits(syncer.tape_records())
     assert len(done) == rounds and all(sorted(r["learners"]) == [0, 1] for r in done), done
-
-
-@pytest.mark.timeout(240)
-def test_the_isotropic_merge_trains_two_islands_to_identical_models(procs: Procs, key_file: Path) -> None:
-    rounds = 12
-    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=FRAGMENTS, total_rounds=rounds,
-                          extra=["--merge", "iso"])
-    learners = [start_learner(procs, syncer, key_file, i, max_steps=3000) for i in range(2)]
-    assert wait_all(learners, timeout=180) == [0, 0], procs.tails()
-    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
-    for lp in learners:
-        first, last = eval_loss(lp, "initial"), eval_loss(lp, "final")
-        assert last["loss"] < first["loss"] and last["final_cut"] is True, lp.tail()
-    assert syncer.checkpoint is not None
-    state = load_checkpoint(syncer.checkpoint)
-    assert state.finalized and state.backend.startswith("iso-"), state.backend
-    ckpt = checkpoint_params(syncer.checkpoint)
-    for lp in learners:
-        assert_bit_identical(model_tensors(model_dir(lp)), ckpt, f"{lp.name} vs checkpoint")
-    assert len(commits(syncer.tape_records())) == rounds

@@ -285,3 +285,53 @@ def test_without_init_the_run_gives_up_at_its_deadline() -> None:
     d.now += 2.0
     d.turn()
     assert d.protocol.phase is Phase.DONE and d.protocol.exit_code == 3
+
+
+def test_with_iso_workers_merges_are_prepared_ahead_and_still_committed_in_round_order() -> None:
+    """Rounds 0 and 1 (fragments 0 and 1) both close; each closing asks for its heavy half at once
+    (`Prepare`), so their SVDs overlap in the pool. Round 1's comes back first and waits; round 0's
+    merge, then round 1's, each use the half prepared for it, and commit in round order, to the
+    same state as the serial merges."""
+    from syncer.effects import Prepare
+    from syncer.events import Prepared
+
+    d = Driver(merge="iso", iso_worker_devices="cpu", pipeline=2)
+    serial = Driver(merge="iso", pipeline=2)
+    for drv in (d, serial):
+        drv.join(0)
+        drv.join(1)
+        drv.init()
+        drv.turn()  # round 1 launched beside round 0
+    p0, p1 = Pull(0, 1, 0, 0), Pull(1, 2, 1, 0)
+    for drv in (d, serial):
+        drv.push(0, p0, 1.0)
+        drv.push(0, p1, 2.0)
+    closing0 = d.push(1, p0, 3.0)
+    (ask0,) = [e for e in closing0 if isinstance(e, Prepare)]
+    assert (ask0.round, ask0.attempt, ask0.fragment) == (0, 1, 0) and not any(isinstance(e, Merge) for e in closing0)
+    closing1 = d.push(1, p1, 4.0)
+    (ask1,) = [e for e in closing1 if isinstance(e, Prepare)]
+    assert (ask1.round, ask1.fragment) == (1, 1) and not any(isinstance(e, Merge) for e in closing1)
+    state = d.protocol.state
+    assert state is not None
+    halves = {a.attempt: d.merger.prepare(state.momentum[a.fragment], list(a.answers), list(a.segments))
+              for a in (ask0, ask1)}
+    assert not any(isinstance(e, Merge) for e in d.turn(Prepared(1, ask1.attempt)))  # round 0 comes first
+    merge0 = d.turn(Prepared(0, ask0.attempt))[-1]
+    assert isinstance(merge0, Merge) and merge0.round == 0 and merge0.prepared == ask0.attempt
+    after0 = d.turn(Merged(0, d.merger.run(state, 0, list(merge0.answers), list(merge0.segments),
+                                           prepared=halves[ask0.attempt])))
+    merge1 = after0[-1]
+    assert isinstance(merge1, Merge) and merge1.round == 1 and merge1.prepared == ask1.attempt
+    d.turn(Merged(1, d.merger.run(state, 1, list(merge1.answers), list(merge1.segments),
+                                  prepared=halves[ask1.attempt])))
+    m0 = serial.push(1, p0, 3.0)[-1]
+    assert isinstance(m0, Merge) and m0.prepared is None
+    serial.turn(serial.merge(m0))
+    m1 = serial.push(1, p1, 4.0)[-1]
+    assert isinstance(m1, Merge) and m1.prepared is None
+    serial.turn(serial.merge(m1))
+    ref = serial.protocol.state
+    assert ref is not None and state.versions == ref.versions == [1, 1] and state.next_round == 2
+    for f in (0, 1):
+        assert torch.equal(state.params[f], ref.params[f]) and torch.equal(state.momentum[f], ref.momentum[f])
