@@ -31,7 +31,8 @@ The last line is `ratio push_ingest_f32/raw_loopback = X`.
    `--full-every` versions as the syncer does by default).
 4. **Codec speed**: each codec's `encode` (f32 tensor → preallocated wire buffer) and `decode`
    (→ preallocated f32 tensor) over `--elements` values, best of `--repeat`, as GB/s of f32 bytes,
-   next to torch `copy_` into a preallocated tensor of the same size in the same run.
+   next to torch `copy_` into a preallocated tensor of the same size in the same run, at torch's
+   thread count (the codecs use as many), and the slowest of them over `copy_`.
 """
 
 from __future__ import annotations
@@ -298,6 +299,11 @@ def _codec_section(numel: int, block: int, repeat: int) -> tuple[list[str], dict
         lines.append(f"  {name + ' encode':<22} {enc:>16.2f} {enc / copy_gbps:>8.2f}")
         lines.append(f"  {name + ' decode':<22} {dec:>16.2f} {dec / copy_gbps:>8.2f}")
         del buf
+    from yeto_core import quant_kernels
+
+    slowest = min(min(pair) for pair in speeds.values()) / copy_gbps
+    path = "compiled loops, yeto[fast]" if quant_kernels.AVAILABLE else "torch ops: numba is not installed"
+    lines.append(f"  slowest codec / copy_ = {slowest:.2f} (quantized codecs: {path}; goal >= 0.5)")
     return lines, speeds
 
 

@@ -15,7 +15,7 @@ stamp=.venv/.yeto-setup
 want="$(cat pyproject.toml setup.py scripts/setup.sh yeto_plugins/autoattach.py | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,megatron,deepspeed,plot,dev]"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[hf,lora,megatron,deepspeed,plot,fast,dev]"
   echo "$want" >"$stamp"
 fi
 

@@ -25,6 +25,7 @@ tests hold torch to.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Protocol
 
 import numpy as np
@@ -91,7 +92,7 @@ class _Float32Codec:
         # numpy views a read-only buffer without complaint; torch.frombuffer would warn.
         values = np.frombuffer(raw, dtype="<f4")
         if out.device.type == "cpu":
-            np.copyto(out.detach().numpy(), values)
+            out.detach().copy_(_read_only_tensor(values))  # torch's copy runs on its threads; numpy's on one
         else:
             _upload_chunked(out, values, torch.float32)
 
@@ -118,9 +119,9 @@ class _BFloat16Codec:
             return
         bits = np.frombuffer(raw, dtype="<u2")
         if out.device.type == "cpu":
-            # bf16 → f32 is exact: the 16 bits become the top half. The ufunc widens through its
-            # own small buffers, so no full-size temporary appears.
-            np.left_shift(bits, 16, out=out.detach().numpy().view(np.uint32), dtype=np.uint32)
+            # bf16 → f32 is exact (the 16 bits become the top half): torch's conversion kernel, on
+            # its threads, with no full-size temporary.
+            out.detach().copy_(_read_only_tensor(bits.view(np.int16)).view(torch.bfloat16))
         else:
             _upload_chunked(out, bits, torch.bfloat16)
 
@@ -237,6 +238,14 @@ def _writable_bytes(codec: Codec, out: memoryview, expected: int) -> memoryview:
     if raw.readonly:
         raise ValueError(f"{codec.name} encode needs a writable output buffer")
     return raw
+
+
+def _read_only_tensor(values: np.ndarray) -> torch.Tensor:
+    """A tensor over a (possibly read-only) array, only ever copied from: torch warns that it
+    cannot be written to, which is the point."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(values)
 
 
 def _copy_chunked(dst: torch.Tensor, src: torch.Tensor, chunk: int) -> None:

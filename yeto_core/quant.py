@@ -41,9 +41,12 @@ one ulp where ``qmax·scale`` would overflow to infinity (A near float32's max);
 is exactly ``fl(A/qmax)``. A decoder accepts any finite scale ≥ 0, so a hostile payload can still
 decode to ±inf (e.g. scale 3e38 with q = 127): callers that need finite deltas check them.
 
-Work runs in chunks of about 4 MiB of input with torch ops into buffers allocated once per call:
-no Python loop over elements or blocks, no ``torch.compile``. A non-CPU tensor is staged through
-CPU buffers chunk by chunk.
+On the CPU, with numba installed (``yeto[fast]``), one compiled pass per block does the work on
+the torch threads' count of Python threads (``quant_kernels.py``), at about memory speed; it is
+the same float32 arithmetic, so the bits are those of the torch path below. Without numba, and
+for a tensor on another device, the work runs in chunks of about 4 MiB of input with torch ops
+into buffers allocated once per call: no Python loop over elements or blocks, no
+``torch.compile``; a non-CPU tensor is staged through CPU buffers chunk by chunk.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from yeto_core import quant_kernels
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -106,7 +111,7 @@ def _code_values(name: str) -> np.ndarray:
 class QuantCodec:
     """One block-quantized codec at one block size; satisfies ``yeto_core.codecs.Codec``."""
 
-    __slots__ = ("_pair_table", "_qmax", "_t0", "_t1", "block", "name", "wire_id")
+    __slots__ = ("_pair_table", "_qmax", "_t0", "_t1", "_table", "block", "compiled", "name", "wire_id")
 
     def __init__(self, name: str, block: int = DEFAULT_BLOCK) -> None:
         if name not in QUANT_WIRE_IDS:
@@ -119,6 +124,8 @@ class QuantCodec:
         self._qmax = _QMAX.get(name, 0)
         self._t0 = self._t1 = 0.0
         self._pair_table: torch.Tensor | None = None
+        self._table = _code_values(name) if name != "int8" else np.zeros(16, dtype=np.float32)
+        self.compiled = quant_kernels.AVAILABLE  # False: the torch path (the tests hold both to the same bits)
         if name in _LEVELS:
             levels = np.asarray(_LEVELS[name], dtype=np.float64)
             mids = ((levels[:-1] + levels[1:]) / 2).astype(np.float32)
@@ -155,9 +162,43 @@ class QuantCodec:
         struct.pack_into("<I", dst, 0, self.block)
         if not numel:
             return
+        if self.compiled and src.device.type == "cpu":
+            self._encode_compiled(src, dst)
+            return
         wire = torch.frombuffer(dst, dtype=torch.uint8)
         for first, x, w in self._pieces(src, wire):
             self._encode_blocks(first, x, w)
+
+    def _encode_compiled(self, src: torch.Tensor, dst: memoryview) -> None:
+        b, numel = self.block, src.numel()
+        nfull, tail = divmod(numel, b)
+        stride = 4 + self._code_bytes(b)
+        scales = np.empty(nfull + 1, dtype=np.float32)
+        bad = np.empty(nfull + 1, dtype=np.int64)
+        wire = np.frombuffer(dst, dtype=np.uint8)
+        x = src.detach().numpy()
+        params: tuple[float | bool, ...]
+        if self._qmax:
+            kernel, params = "encode_linear", (float(self._qmax), self.name == "int4")
+        else:
+            kernel, params = "encode_level", (self._t0, self._t1, self.name == "int4-log")
+        threads = torch.get_num_threads()
+        if nfull:  # the whole blocks, then the last one alone (its own length as its block)
+            quant_kernels.run(kernel, nfull, threads, x[: nfull * b], b, *params, wire[4 : 4 + nfull * stride],
+                              scales, bad)
+        if tail:
+            quant_kernels.run(kernel, 1, 1, x[nfull * b :], tail, *params, wire[4 + nfull * stride :],
+                              scales[nfull:], bad[nfull:])
+        nblocks = nfull + (1 if tail else 0)
+        failed = np.flatnonzero(bad[:nblocks] >= 0)
+        if failed.size:
+            where = int(failed[0]) * b + int(bad[failed[0]])
+            raise ValueError(f"{self.name} encode: non-finite value {float(x[where])} at element {where}")
+        rows = wire[4 : 4 + nfull * stride].reshape(nfull, stride)
+        rows[:, :4] = scales[:nfull].view(np.uint8).reshape(nfull, 4)
+        if tail:
+            off = 4 + nfull * stride
+            wire[off : off + 4] = scales[nfull : nfull + 1].view(np.uint8)
 
     def _pieces(self, flat: torch.Tensor, wire: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(first block index, values [nb, b], wire rows [nb, 4 + code bytes]) chunk by chunk."""
@@ -264,6 +305,18 @@ class QuantCodec:
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"{self.name} payload: block {i} has scale {float(scales[i])!r}, not a finite value ≥ 0")
+        if self.compiled and out.device.type == "cpu":
+            b = self.block
+            nfull, tail = divmod(numel, b)
+            stride = 4 + self._code_bytes(b)
+            kind, values = quant_kernels.KINDS[self.name], out.detach().numpy()
+            if nfull:  # the whole blocks, then the last one alone (its own length as its block)
+                quant_kernels.run("decode", nfull, torch.get_num_threads(), wire[4 : 4 + nfull * stride], b, kind,
+                                  self._table, scales, values[: nfull * b])
+            if tail:
+                quant_kernels.run("decode", 1, 1, wire[4 + nfull * stride :], tail, kind, self._table,
+                                  scales[nfull:], values[nfull * b :])
+            return
         scale_t = torch.from_numpy(scales)
         for first, start, rows in pieces:
             nb = rows.shape[0]

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from yeto_core import quant_kernels
 from yeto_core.codecs import BF16, F32, WIRE_CODEC_NAMES, codec_by_id, codec_by_name, quant_codec
 from yeto_core.quant import DEFAULT_BLOCK, E3M0_LEVELS, ERROR_BOUNDS, INT4_LOG_LEVELS, QuantCodec
 
@@ -247,3 +248,75 @@ def test_bf16_matches_torch(data: list[float]) -> None:
     got = np.frombuffer(bytes(buf), dtype="<u2")
     expected = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(got, expected)
+
+
+# -- the compiled loops (yeto[fast]) and the torch ops: the same bits ---------------------------------
+needs_numba = pytest.mark.skipif(not quant_kernels.AVAILABLE, reason="numba is not installed (yeto[fast])")
+
+
+def both_paths(name: str, block: int) -> tuple[QuantCodec, QuantCodec]:
+    compiled, ops = QuantCodec(name, block), QuantCodec(name, block)  # not the shared cached ones
+    ops.compiled = False
+    return compiled, ops
+
+
+@needs_numba
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=120, deadline=None)
+@given(data=values, block=st.sampled_from([1, 2, 3, 7, 8, 16, 128]))
+def test_the_compiled_loops_write_the_bytes_and_values_of_the_torch_ops(name: str, data: list[float],
+                                                                         block: int) -> None:
+    compiled, ops = both_paths(name, block)
+    x = torch.tensor(data, dtype=torch.float32)
+    payload = encode(compiled, x)
+    assert payload == encode(ops, x)
+    assert torch.equal(decode(compiled, payload, x.numel()), decode(ops, payload, x.numel()))
+
+
+@needs_numba
+@pytest.mark.parametrize("name", NAMES)
+def test_the_compiled_loops_give_the_same_bits_on_any_number_of_threads(name: str) -> None:
+    n = (1 << 20) + 77  # several ranges per thread, and a partial last block
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+    x[5000:5128] = 0.0
+    x[9000:9100] = 3e38
+    compiled, ops = both_paths(name, 128)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            payload = encode(compiled, x)
+            runs.append((payload, decode(compiled, payload, n)))
+    finally:
+        torch.set_num_threads(threads)
+    want = encode(ops, x)
+    assert all(p == want for p, _ in runs)
+    assert all(torch.equal(v, decode(ops, want, n)) for _, v in runs)
+
+
+@needs_numba
+@pytest.mark.parametrize("name", NAMES)
+def test_both_paths_name_the_first_non_finite_value(name: str) -> None:
+    x = torch.linspace(-1, 1, 70_000)
+    x[60_001], x[65_000] = math.inf, math.nan
+    for codec in both_paths(name, 128):
+        with pytest.raises(ValueError, match=r"non-finite value inf at element 60001"):
+            codec.encode(x, memoryview(bytearray(codec.encoded_nbytes(x.numel()))))
+
+
+@needs_numba
+@pytest.mark.parametrize("name", NAMES)
+def test_both_paths_agree_at_the_edges_of_float32(name: str) -> None:
+    """Scales rounded one ulp up (qmax·scale < A) and down (qmax·scale would overflow near
+    float32's max), subnormal blocks, zeros and signed zeros, for every block size that splits them."""
+    top = float(np.finfo(np.float32).max)
+    edges = [top, -top, np.nextafter(np.float32(top), np.float32(0)), 1.7e38, 2.0**127, 3e38 / 7, 2.0**-149,
+             -(2.0**-149), 2.0**-126, 1e-40, 0.0, -0.0, 1.0, -1.0, 0.5, 1 / 3, 127.5, -7.5, 2.0**-20]
+    x = torch.tensor(edges, dtype=torch.float32)
+    for block in (1, 2, 3, 5, len(edges)):
+        compiled, ops = both_paths(name, block)
+        payload = encode(compiled, x)
+        assert payload == encode(ops, x), block
+        assert torch.equal(decode(compiled, payload, x.numel()), decode(ops, payload, x.numel())), block
