@@ -46,7 +46,8 @@ the torch threads' count of Python threads (``quant_kernels.py``), at about memo
 the same float32 arithmetic, so the bits are those of the torch path below. Without numba, and
 for a tensor on another device, the work runs in chunks of about 4 MiB of input with torch ops
 into buffers allocated once per call: no Python loop over elements or blocks, no
-``torch.compile``; a non-CPU tensor is staged through CPU buffers chunk by chunk.
+``torch.compile``. A tensor on an accelerator is worked on there (its float32 kernels are IEEE
+too: the same bits); only codes and scales cross to and from the host buffer.
 """
 
 from __future__ import annotations
@@ -218,10 +219,11 @@ class QuantCodec:
             yield nfull, flat[nfull * b :].view(1, last), wire[off:].view(1, -1)
 
     def _encode_blocks(self, first: int, x: torch.Tensor, w: torch.Tensor) -> None:
+        """One chunk of blocks, on `x`'s own device (an accelerator's kernels are IEEE float32
+        too: the same bits); only the codes and scales cross to the host buffer `w`."""
         nb, b = x.shape
-        if x.device.type != "cpu":
-            x = x.to("cpu")
-        work = torch.empty((nb, b), dtype=torch.float32)
+        dev = x.device
+        work = torch.empty((nb, b), dtype=torch.float32, device=dev)
         torch.abs(x, out=work)
         amax = torch.amax(work, dim=1)
         finite = torch.isfinite(amax)
@@ -235,10 +237,10 @@ class QuantCodec:
             scale = amax / qmax
             low = scale * qmax < amax
             if bool(low.any()):  # round up so that x/scale never passes qmax (and no zero scale)
-                scale = torch.where(low, torch.nextafter(scale, torch.tensor(math.inf)), scale)
+                scale = torch.where(low, torch.nextafter(scale, torch.tensor(math.inf, device=dev)), scale)
             high = torch.isinf(scale * qmax)
             if bool(high.any()):  # near float32's max: round down instead, so q·scale stays finite
-                scale = torch.where(high, torch.nextafter(scale, torch.tensor(0.0)), scale)
+                scale = torch.where(high, torch.nextafter(scale, torch.tensor(0.0, device=dev)), scale)
             torch.div(x, scale.clamp_min(_TINY).unsqueeze(1), out=work)
             work.round_().clamp_(-qmax, qmax)
             if self.name == "int8":
@@ -267,7 +269,8 @@ class QuantCodec:
         """Codes 0..15 [nb, b] → bytes, two a byte, low nibble first, into ``w[:, 4:]``."""
         nb, b = codes.shape
         width = b + (b & 1)
-        nibbles = torch.zeros((nb, width), dtype=torch.uint8) if b & 1 else torch.empty((nb, width), dtype=torch.uint8)
+        make = torch.zeros if b & 1 else torch.empty
+        nibbles = make((nb, width), dtype=torch.uint8, device=codes.device)
         nibbles[:, :b].copy_(codes)
         pairs = nibbles.view(torch.int16)  # little-endian: low nibble in bits 0-3, high in bits 8-11
         packed = torch.bitwise_right_shift(pairs, 4)
@@ -317,15 +320,12 @@ class QuantCodec:
                 quant_kernels.run("decode", 1, 1, wire[4 + nfull * stride :], tail, kind, self._table,
                                   scales[nfull:], values[nfull * b :])
             return
-        scale_t = torch.from_numpy(scales)
-        for first, start, rows in pieces:
+        scale_t = torch.from_numpy(scales).to(out.device)
+        for first, start, rows in pieces:  # on `out`'s own device: only the codes cross to it
             nb = rows.shape[0]
             b = self.block if first * self.block + self.block <= numel else numel - first * self.block
             target = out[start : start + nb * b].view(nb, b)
-            dest = target if out.device.type == "cpu" else torch.empty((nb, b), dtype=torch.float32)
-            self._decode_blocks(rows, scale_t[first : first + nb].unsqueeze(1), dest)
-            if dest is not target:
-                target.copy_(dest)
+            self._decode_blocks(rows, scale_t[first : first + nb].unsqueeze(1), target)
 
     def _pieces_np(self, numel: int, wire: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
         """(first block index, first value index, wire rows [nb, 4 + code bytes]) chunk by chunk."""
@@ -341,22 +341,24 @@ class QuantCodec:
 
     def _decode_blocks(self, rows: np.ndarray, scale: torch.Tensor, dest: torch.Tensor) -> None:
         nb, b = dest.shape
+        dev = dest.device
         if self.name == "int8":
             q = torch.empty((nb, b), dtype=torch.int8)
             np.copyto(q.numpy(), rows[:, 4:].view(np.int8))
-            dest.copy_(q)
+            dest.copy_(q)  # int8 → float32 on the way, exact
             dest.mul_(scale)
             return
         width = rows.shape[1] - 4
         packed = torch.empty((nb, width), dtype=torch.uint8)
         np.copyto(packed.numpy(), rows[:, 4:])
         assert self._pair_table is not None
-        index = packed.view(-1).to(torch.int32)
+        table = self._pair_table if dev.type == "cpu" else self._pair_table.to(dev)
+        index = packed.view(-1).to(device=dev, dtype=torch.int32)
         if b == 2 * width:
-            torch.index_select(self._pair_table, 0, index, out=dest.view(nb * width, 2))
+            torch.index_select(table, 0, index, out=dest.view(nb * width, 2))
             dest.mul_(scale)
         else:  # odd block: the last byte's high nibble is padding
-            pairs = torch.index_select(self._pair_table, 0, index).view(nb, 2 * width)
+            pairs = torch.index_select(table, 0, index).view(nb, 2 * width)
             torch.mul(pairs[:, :b], scale, out=dest)
 
 
