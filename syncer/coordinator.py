@@ -104,7 +104,7 @@ class Coordinator:
         self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
         # The heavy halves of merges run ahead here (`effects.Prepare`): one thread per round in flight.
         self._preparers = ThreadPoolExecutor(max_workers=settings.pipeline, thread_name_prefix="syncer-prepare")
-        self._prepared: dict[int, Future[PreparedMerge]] = {}  # attempt -> its heavy half
+        self._prepared: dict[int, tuple[int, Future[PreparedMerge]]] = {}  # attempt -> (round, its heavy half)
         self._merge_started = 0.0
 
     # -- read by server threads (immutable references, safe to read without a lock) -----------
@@ -168,8 +168,7 @@ class Coordinator:
             ev = pending.popleft()
             if isinstance(ev, Connected):
                 ev = self._connected(ev)
-            elif isinstance(ev, Prepared) and self._prepared[ev.attempt].exception() is not None:
-                failure = self._prepared[ev.attempt].exception()
+            elif isinstance(ev, Prepared) and (failure := self._prepare_failure(ev.attempt)) is not None:
                 if not isinstance(failure, IsoPoolError):
                     raise RuntimeError(f"the merge of round {ev.round} failed") from failure
                 log.critical("%s", failure)  # nothing of the fragment was written: the last checkpoint stands
@@ -315,12 +314,16 @@ class Coordinator:
 
         future.add_done_callback(done)
 
+    def _prepare_failure(self, attempt: int) -> BaseException | None:
+        held = self._prepared.get(attempt)  # gone: its round was merged or abandoned meanwhile
+        return held[1].exception() if held is not None else None
+
     def _prepare(self, effect: Prepare) -> None:
         state = self.protocol.state
         assert state is not None
         future = self._preparers.submit(self.merger.prepare, state.momentum[effect.fragment], list(effect.answers),
                                         list(effect.segments))
-        self._prepared[effect.attempt] = future
+        self._prepared[effect.attempt] = (effect.round, future)
         future.add_done_callback(lambda _: self.post(Prepared(effect.round, effect.attempt)))
 
     def _merge(self, effect: Merge) -> Merged:
@@ -332,8 +335,10 @@ class Coordinator:
         self.leases.writable(f, {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum})
         prepared = None
         if effect.prepared is not None:
-            prepared = self._prepared.pop(effect.prepared).result()  # done: the protocol saw its Prepared
-            for stale in [a for a, fut in self._prepared.items() if fut.done() and a < effect.prepared]:
-                del self._prepared[stale]  # rounds abandoned or attempts superseded
+            prepared = self._prepared.pop(effect.prepared)[1].result()  # done: the protocol saw its Prepared
+            # Rounds up to this one are over (committed in order, or abandoned): their halves are not
+            # needed. A later round's is kept whatever its attempt number (a relaunch has a higher one).
+            for stale in [a for a, (r, fut) in self._prepared.items() if r <= effect.round and fut.done()]:
+                del self._prepared[stale]
         return Merged(effect.round, self.merger.run(state, f, list(effect.answers), list(effect.segments),
                                                     prepared=prepared))
