@@ -20,7 +20,7 @@ decides *what*, from the records alone:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -111,10 +111,11 @@ class FragmentSync:
             return False
         return any(f.pull is not None and f.version == f.pull.version for f in self.fragments)
 
-    def pulls_to_answer(self) -> bool:
-        """A PULL is held that a boundary can answer now, or once the BCAST it names is in."""
-        for f in self.fragments:
-            if f.pull is None:
+    def pulls_to_answer(self, skip: Collection[int] = ()) -> bool:
+        """A PULL is held that a boundary can answer now, or once the BCAST it names is in (the
+        fragments in `skip` aside)."""
+        for i, f in enumerate(self.fragments):
+            if f.pull is None or i in skip:
                 continue
             if f.version < f.pull.version:
                 return True
@@ -199,9 +200,10 @@ class FragmentSync:
         return False
 
     # -- installing --------------------------------------------------------------------------
-    def install_bcasts(self) -> None:
+    def install_bcasts(self, hold: Collection[int] = ()) -> None:
+        """Install every BCAST that came in, but those of the fragments in `hold` (kept for later)."""
         for index, state in enumerate(self.fragments):
-            if state.bcast is None:
+            if state.bcast is None or index in hold:
                 continue
             msg, values = state.bcast
             sent, marks = state.sent, state.sent_marks

@@ -376,8 +376,8 @@ class LearnerSession:
         over), so each iteration's progress goes into one round. It returns as soon as the pushes
         are computed and queued instead with `rl_mode` overlap (or, in stream mode, with `overlap`):
         the link streams them while training goes on, and their merges are rebased in at the next
-        sweep. `blocking_timeout_s` bounds it, after which training goes
-        on. True when the final cut was installed."""
+        sweep, even one that comes in while this sweep still waits. `blocking_timeout_s` bounds
+        it, after which training goes on. True when the final cut was installed."""
         s = self.settings
         wait = s.rl_mode == "sweep" or (s.rl_mode == "stream" and not s.overlap)
         if self.stats.final_installed:
@@ -386,15 +386,20 @@ class LearnerSession:
             return False
         deadline = self.clock() + s.blocking_timeout_s
         swept: list[PushJob] = []
+        # Without waiting, the merges of this sweep's pushes go in at the next sweep, however soon
+        # one comes: installed now, the next iteration would train from it or not as timing has it.
+        held: set[int] = set()
         while self.clock() < deadline and self.link.refused is None:
             self.pump(0.0)
             if self.final_ready:
                 self._install_final()
                 return True
-            self.sync.install_bcasts()
+            self.sync.install_bcasts(hold=held)
             while (job := self.sync.boundary(self._step_s, queue=True)) is not None:
                 swept.append(job)  # every pull answered now: the sender streams them back to back
-            if not self.sync.pulls_to_answer() and not (s.sweeps and self.sync.owed()):
+                if not wait:
+                    held.add(job.pull.fragment)
+            if not self.sync.pulls_to_answer(skip=held) and not (s.sweeps and self.sync.owed()):
                 if not wait:
                     return False  # every delta is computed and queued: the link streams them as training goes on
                 if all(self.fragments[j.pull.fragment].version > j.base_version for j in swept):

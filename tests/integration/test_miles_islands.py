@@ -166,9 +166,16 @@ def run_overlap(procs: Procs, key_file: Path, fault: str | None) -> tuple[list[l
     return reports, syncers
 
 
+def round_summaries(syncers: list[Any]) -> dict[int, dict[str, Any]]:
+    """What each round merged (a redone round: its last commit), for telling two runs apart."""
+    keys = ("learners", "tokens", "steps", "base_versions", "delta_norms", "outer_grad_norm")
+    by_round = {c["round"]: c for s in syncers for c in s.commits()}
+    return {r: {k: c.get(k) for k in keys} for r, c in sorted(by_round.items())}
+
+
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The final weights of an undisturbed overlapping run."""
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], dict[int, dict[str, Any]]]:
+    """The final weights of an undisturbed overlapping run, and what each of its rounds merged."""
     workdir = tmp_path_factory.mktemp("overlap-undisturbed")
     key_file = workdir / "syncer.key"
     key_file.write_text(secrets.token_hex(32))
@@ -178,7 +185,7 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         reports, (syncer,) = run_overlap(procs, key_file, None)
         assert syncer.checkpoint is not None
         check_final(reports, syncer.checkpoint)
-        return digests(syncer.checkpoint)
+        return digests(syncer.checkpoint), round_summaries([syncer])
     finally:
         procs.close()
 
@@ -188,7 +195,8 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                          ids=["killed-before-a-commit", "killed-mid-broadcast",
                               "killed-between-the-rounds-of-a-sweep"])
 def test_overlap_counts_every_step_once_and_a_syncer_restart_changes_no_bit(
-        procs: Procs, key_file: Path, fault: str | None, undisturbed: dict[str, str]) -> None:
+        procs: Procs, key_file: Path, fault: str | None,
+        undisturbed: tuple[dict[str, str], dict[int, dict[str, Any]]]) -> None:
     """`RL_MODE=overlap`: each island trains the next rollout on its own weights while its sweep merges,
     and rebases the merge in at the next sweep. Every optimizer step reaches one merge once, and a syncer
     SIGKILLed before a commit, mid-broadcast or between a sweep's two rounds, resumed from its checkpoint,
@@ -196,10 +204,15 @@ def test_overlap_counts_every_step_once_and_a_syncer_restart_changes_no_bit(
     reports, syncers = run_overlap(procs, key_file, fault)
     assert syncers[0].checkpoint is not None
     check_final(reports, syncers[0].checkpoint)
-    assert digests(syncers[0].checkpoint) == undisturbed
     by_round = {c["round"]: c for s in syncers for c in s.commits()}  # a redone round: the last commit counts
     assert sorted(by_round) == list(range(ROLLOUTS * 2))
     for lid in (0, 1):
         for fragment in (0, 1):
             steps = [c["steps"][c["learners"].index(lid)] for r, c in by_round.items() if r % 2 == fragment]
             assert sum(steps) == ROLLOUTS * STEPS, (lid, fragment, steps)
+    weights, rounds = undisturbed
+    if digests(syncers[0].checkpoint) != weights:  # say which round went another way, and how
+        mine = round_summaries(syncers)
+        differ = {r: {"undisturbed": rounds.get(r), "here": mine[r]} for r in mine if mine[r] != rounds.get(r)}
+        tails = "\n".join(s.proc.tail() for s in syncers)
+        pytest.fail(f"the final weights differ from the undisturbed run's; rounds that differ: {differ}\n{tails}")
