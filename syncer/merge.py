@@ -45,6 +45,7 @@ __all__ = [
     "nesterov_step",
     "outer_gradient",
     "rda",
+    "segment_sq_norms",
     "weighted_average",
 ]
 
@@ -55,6 +56,7 @@ _NORM_BLOCK = 1 << 14
 _CPU_CHUNK = 1 << 20
 # Multiple of the worst-case rounding in the RDA direction sum below which it counts as zero.
 _CANCEL_ULPS = 4
+_F32_EPS = float(torch.finfo(torch.float32).eps)
 # Column chunk of check_finite's element-wise re-check (and of its threaded sums).
 _FINITE_CHUNK = 1 << 22
 # With threads, small segments are handed out in about this many batches per thread, so one
@@ -160,59 +162,92 @@ def _out_for(name: str, deltas: torch.Tensor, out: torch.Tensor | None) -> torch
     return out
 
 
-def _combine_into(rows: torch.Tensor, coef: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _combine_into(
+    rows: torch.Tensor, coef: torch.Tensor, out: torch.Tensor, parts: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """out = Σ_m coef[m] · rows[m], without a temporary the size of ``rows``.
 
     On CPU the sum runs over cache-sized column chunks with one fused multiply-add per learner,
     in learner order, so the bits do not depend on thread count or chunking; this measured 2-3×
     faster than ``torch.mv`` on a transposed ``[M, N]`` buffer. Elsewhere one ``torch.mv``.
+    With ``parts``, the squared block norms of each chunk written are appended to it while the
+    chunk is still in cache (``_block_sq``): RDA needs the norm of what it combined.
     """
     if rows.device.type != "cpu":
-        return torch.mv(rows.t(), coef, out=out)
+        torch.mv(rows.t(), coef, out=out)
+        if parts is not None:
+            parts.append(_block_sq(out))
+        return out
     scalars = coef.unbind()
     n = rows.size(1)
     for start in range(0, n, _CPU_CHUNK):
-        _combine_chunk(rows, scalars, out, start, min(start + _CPU_CHUNK, n))
+        part = _combine_chunk(rows, scalars, out, start, min(start + _CPU_CHUNK, n), parts is not None)
+        if parts is not None and part is not None:
+            parts.append(part)
     return out
 
 
 def _combine_chunk(
-    rows: torch.Tensor, scalars: Sequence[torch.Tensor], out: torch.Tensor, start: int, stop: int
-) -> None:
-    """One column chunk of ``_combine_into``: out[start:stop] = Σ_m scalars[m] · rows[m, start:stop]."""
+    rows: torch.Tensor, scalars: Sequence[torch.Tensor], out: torch.Tensor, start: int, stop: int,
+    norms: bool = False,
+) -> torch.Tensor | None:
+    """One column chunk of ``_combine_into``: out[start:stop] = Σ_m scalars[m] · rows[m, start:stop];
+    with ``norms``, the chunk's squared block norms (chunks start on block boundaries)."""
     dst = out[start:stop]
     torch.mul(rows[0, start:stop], scalars[0], out=dst)
     for m in range(1, rows.size(0)):
         dst.addcmul_(rows[m, start:stop], scalars[m])
+    return _block_sq(dst) if norms else None
 
 
-def _rda_coef(deltas: torch.Tensor, w64: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RDA's row norms ‖δ_m‖ and direction coefficients w_m/‖δ_m‖ (float64 ``[M]``)."""
-    tiny = torch.finfo(torch.float64).tiny
-    norms = _row_sq_norms(deltas).sqrt_()
+def _block_sq(x: torch.Tensor) -> torch.Tensor:
+    """The float64 squares of the float32 norms of ``x``'s blocks of ``_NORM_BLOCK`` (the last one
+    shorter), ``x`` a contiguous 1-D float32 tensor: their sum is ‖x‖², accurate like
+    ``accurate_norm``. A tensor cut into pieces at block boundaries gives the same squares, piece
+    by piece, as the whole: each block is reduced by the same call."""
+    k = x.numel() // _NORM_BLOCK
+    body = k * _NORM_BLOCK
+    pieces = []
+    if k:
+        pieces.append(torch.linalg.vector_norm(x[:body].view(k, _NORM_BLOCK), dim=1).double().square_())
+    if body < x.numel():
+        pieces.append(torch.linalg.vector_norm(x[body:]).double().square_().unsqueeze(0))
+    return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+
+def _rda_coef(sq_norms: torch.Tensor, w: Sequence[float]) -> tuple[list[float], list[float]]:
+    """RDA's row norms ‖δ_m‖ and direction coefficients w_m/‖δ_m‖ from the rows' squared norms, as
+    float64 Python numbers: there are M of them, and a tensor op on M values costs more than the
+    arithmetic (a merge of small tensors was mostly such ops)."""
+    norms = [math.sqrt(v) for v in sq_norms.tolist()]
     # A zero row has no direction: its coefficient is 0, and it adds 0 to the mean norm.
-    coef = torch.where(norms > 0, w64 / norms.clamp_min(tiny), 0.0)
+    coef = [wm / n if n > 0 else 0.0 for wm, n in zip(w, norms, strict=True)]
     return norms, coef
 
 
-def _rda_scale(
-    deltas: torch.Tensor, w64: torch.Tensor, norms: torch.Tensor, coef: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
-    """The float32 factor r/‖u‖ that stretches the combined directions ``u`` to the mean norm r."""
-    tiny = torch.finfo(torch.float64).tiny
-    radius = (w64 * norms).sum()
-    u_norm = _row_sq_norms(u.unsqueeze(0))[0].sqrt_()
+def _rda_scale(w: Sequence[float], norms: Sequence[float], coef: Sequence[float],
+               parts: Sequence[torch.Tensor]) -> float:
+    """The factor r/‖u‖, rounded to float32, that stretches the combined directions u (whose
+    squared block norms are ``parts``) to the mean norm r."""
+    radius = math.fsum(wm * n for wm, n in zip(w, norms, strict=True))
+    u_norm = math.sqrt(float(torch.cat(list(parts)).sum())) if parts else 0.0
     # Directions that cancel leave float32 rounding noise in u, at most ~M·ε·Σw in norm; scaling
     # that noise up to the radius would invent a direction, so it counts as ‖u‖ = 0.
-    eps = torch.finfo(torch.float32).eps
-    noise = _CANCEL_ULPS * deltas.size(0) * eps * (coef > 0).double().mul_(w64).sum()
-    return torch.where(u_norm > noise, radius / u_norm.clamp_min(tiny), 0.0).float()
+    noise = _CANCEL_ULPS * len(w) * _F32_EPS * math.fsum(wm for wm, c in zip(w, coef, strict=True) if c > 0)
+    return _as_float32(radius / u_norm if u_norm > noise else 0.0)
 
 
-def _rda_into(deltas: torch.Tensor, w64: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    norms, coef = _rda_coef(deltas, w64)
-    _combine_into(deltas, coef.float(), out)
-    return out.mul_(_rda_scale(deltas, w64, norms, coef, out))
+def _as_float32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _rda_into(deltas: torch.Tensor, w: Sequence[float], out: torch.Tensor,
+              sq_norms: torch.Tensor | None = None, negate: bool = False) -> torch.Tensor:
+    norms, coef = _rda_coef(_row_sq_norms(deltas) if sq_norms is None else sq_norms, w)
+    parts: list[torch.Tensor] = []
+    _combine_into(deltas, torch.tensor(coef, dtype=torch.float32, device=deltas.device), out, parts)
+    scale = _rda_scale(w, norms, coef, parts)
+    return out.mul_(-scale if negate else scale)
 
 
 def rda(deltas: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,8 +265,7 @@ def rda(deltas: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None
     is ``[M]``; the float32 ``[n]`` result is written to ``out`` when given.
     """
     _check_pair("rda", deltas, weights)
-    w64 = weights.to(device=deltas.device, dtype=torch.float64)
-    return _rda_into(deltas, w64, _out_for("rda", deltas, out))
+    return _rda_into(deltas, weights.double().tolist(), _out_for("rda", deltas, out))
 
 
 def weighted_average(
@@ -247,6 +281,46 @@ def weighted_average(
     return _combine_into(deltas, w32, _out_for("weighted_average", deltas, out))
 
 
+def _check_segments(name: str, n: int, segments: Sequence[Segment]) -> None:
+    expected = 0
+    for i, seg in enumerate(segments):
+        if seg.offset != expected or seg.numel < 0:
+            raise ValueError(f"{name}: segment {i} is at offset {seg.offset} with {seg.numel} "
+                             f"elements; the next segment must start at {expected}")
+        expected += seg.numel
+    if expected != n:
+        raise ValueError(f"{name}: segments cover {expected} elements, the fragment has {n}")
+
+
+def segment_sq_norms(deltas: torch.Tensor, segments: Sequence[Segment], *, threads: int = 1) -> torch.Tensor:
+    """The squared L2 norm of every row of every segment of ``[M, N]`` float32 deltas, as a float64
+    ``[M, S]`` tensor on their device, each accurate like ``accurate_norm``; a row's squared norm
+    is the sum of its line.
+
+    A round takes them once (`round_merge.prepare_merge`): they weigh RDA's directions
+    (``merge_deltas(sq_norms=...)``) and tell a delta whose norm overflows float32. ``threads`` > 1
+    spreads the segments over that many CPU threads, each taken by the same call as serially.
+    """
+    if deltas.dim() != 2:
+        raise ValueError(f"segment_sq_norms: expected [M, N] deltas, got shape {tuple(deltas.shape)}")
+    _check_segments("segment_sq_norms", deltas.size(1), segments)
+    out = torch.zeros(deltas.size(0), len(segments), dtype=torch.float64, device=deltas.device)
+
+    def take(batch: Sequence[tuple[int, Segment]]) -> None:
+        for i, seg in batch:
+            if seg.numel:
+                out[:, i] = _row_sq_norms(deltas[:, seg.offset : seg.offset + seg.numel])
+
+    indexed = list(enumerate(segments))
+    if threads > 1 and deltas.device.type == "cpu" and len(indexed) > 1:
+        batches = _indexed_batches(indexed, threads * _BATCHES_PER_THREAD)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="yeto-norms") as pool:
+            _run_all(pool, [partial(take, batch) for batch in batches])
+    else:
+        take(indexed)
+    return out
+
+
 def merge_deltas(
     deltas: torch.Tensor,
     weights: torch.Tensor,
@@ -255,11 +329,18 @@ def merge_deltas(
     *,
     threads: int = 1,
     iso: Flattener | None = None,
+    sq_norms: torch.Tensor | None = None,
+    negate: bool = False,
 ) -> torch.Tensor:
     """Merge one fragment's ``[M, N]`` learner deltas into a float32 ``[N]`` merged delta.
 
     Each ``Segment`` (one tensor; the segments lie back to back and cover ``[0, N)``) is merged
     by ``rda`` or ``weighted_average`` as it asks, straight into its slice of ``out``.
+    ``sq_norms``: the rows' squared segment norms as ``segment_sq_norms`` gives them, when the
+    caller has them already; RDA then reads the deltas once instead of twice, with the same bits.
+    ``negate`` writes −merged, bit for bit the negation, in the same passes (the average's weights
+    and RDA's rescaling factor change sign, which rounds symmetrically): the outer gradient without
+    a pass of its own.
 
     ``threads`` > 1 merges CPU segments on that many threads, bit for bit the result of
     ``threads=1``: small segments go whole to a thread; a segment longer than one column chunk
@@ -273,28 +354,26 @@ def merge_deltas(
     _check_pair("merge_deltas", deltas, weights)
     if threads < 1:
         raise ValueError(f"merge_deltas: threads must be >= 1, got {threads}")
-    n = deltas.size(1)
-    expected = 0
-    for i, seg in enumerate(segments):
-        if seg.offset != expected or seg.numel < 0:
-            raise ValueError(f"merge_deltas: segment {i} is at offset {seg.offset} with {seg.numel} "
-                             f"elements; the next segment must start at {expected}")
-        expected += seg.numel
-    if expected != n:
-        raise ValueError(f"merge_deltas: segments cover {expected} elements, the fragment has {n}")
+    _check_segments("merge_deltas", deltas.size(1), segments)
+    if sq_norms is not None and (sq_norms.shape != (deltas.size(0), len(segments))
+                                 or sq_norms.dtype != torch.float64 or sq_norms.device != deltas.device):
+        raise ValueError(f"merge_deltas: sq_norms must be float64 [{deltas.size(0)}, {len(segments)}] on "
+                         f"{deltas.device}, got {sq_norms.dtype} {tuple(sq_norms.shape)} on {sq_norms.device}")
     result = _out_for("merge_deltas", deltas, out)
-    w64 = weights.to(device=deltas.device, dtype=torch.float64)
-    w32 = w64.float()
+    w = weights.double().tolist()  # RDA's scalar math, on the host
+    w32 = weights.to(device=deltas.device, dtype=torch.float32)
+    w32 = w32.neg() if negate else w32
+    given = list(sq_norms.unbind(1)) if sq_norms is not None else [None] * len(segments)
     if threads > 1 and deltas.device.type == "cpu":
-        _merge_threaded(deltas, w64, w32, segments, result, threads)
+        _merge_threaded(deltas, w, w32, segments, given, result, threads, negate)
     else:
-        for seg in segments:
+        for seg, sq in zip(segments, given, strict=True):
             if seg.numel == 0:
                 continue
             cols = deltas[:, seg.offset : seg.offset + seg.numel]
             dst = result[seg.offset : seg.offset + seg.numel]
             if seg.rda:
-                _rda_into(cols, w64, dst)
+                _rda_into(cols, w, dst, sq, negate)
             else:
                 _combine_into(cols, w32, dst)
     matrices = [(seg.name or f"at offset {seg.offset}", result[seg.offset : seg.offset + seg.numel].view(seg.iso_shape))
@@ -340,33 +419,36 @@ def _run_all(pool: ThreadPoolExecutor, tasks: Sequence[Callable[[], object]]) ->
         future.result()
 
 
-def _batches(segments: Sequence[Segment], parts: int) -> list[list[Segment]]:
-    """Consecutive runs of ``segments`` holding about 1/``parts`` of their elements each."""
-    target = max(1, sum(seg.numel for seg in segments) // parts)
-    out: list[list[Segment]] = [[]]
+def _indexed_batches(items: Sequence[tuple[int, Segment]], parts: int) -> list[list[tuple[int, Segment]]]:
+    """Consecutive runs of (index, segment) pairs holding about 1/``parts`` of their elements each."""
+    target = max(1, sum(seg.numel for _, seg in items) // parts)
+    out: list[list[tuple[int, Segment]]] = [[]]
     filled = 0
-    for seg in segments:
+    for item in items:
         if filled >= target:
             out.append([])
             filled = 0
-        out[-1].append(seg)
-        filled += seg.numel
+        out[-1].append(item)
+        filled += item[1].numel
     return [batch for batch in out if batch]
 
 
 def _merge_threaded(
     deltas: torch.Tensor,
-    w64: torch.Tensor,
+    w: Sequence[float],
     w32: torch.Tensor,
     segments: Sequence[Segment],
+    given: Sequence[torch.Tensor | None],
     result: torch.Tensor,
     threads: int,
+    negate: bool,
 ) -> None:
     """``merge_deltas``'s loop on ``threads`` CPU threads, making the same calls on the same views.
 
     Four stages, each waiting for the one before: (1) whole small segments, the norms of long RDA
-    segments and the weighted-sum chunks of long averaged segments; (2) the direction-sum chunks
-    of long RDA segments; (3) their rescaling factors; (4) the rescaling chunks.
+    segments (unless given) and the weighted-sum chunks of long averaged segments; (2) the
+    direction-sum chunks of long RDA segments, each with its block norms; (3) their rescaling
+    factors; (4) the rescaling chunks.
     """
     def cols(seg: Segment) -> torch.Tensor:
         return deltas[:, seg.offset : seg.offset + seg.numel]
@@ -374,44 +456,52 @@ def _merge_threaded(
     def dst(seg: Segment) -> torch.Tensor:
         return result[seg.offset : seg.offset + seg.numel]
 
-    def merge_whole(batch: Sequence[Segment]) -> None:
-        for seg in batch:
+    def merge_whole(batch: Sequence[tuple[int, Segment]]) -> None:
+        for i, seg in batch:
             if seg.rda:
-                _rda_into(cols(seg), w64, dst(seg))
+                _rda_into(cols(seg), w, dst(seg), given[i], negate)
             else:
                 _combine_into(cols(seg), w32, dst(seg))
 
     def chunks(seg: Segment) -> list[tuple[int, int]]:
         return [(start, min(start + _CPU_CHUNK, seg.numel)) for start in range(0, seg.numel, _CPU_CHUNK)]
 
-    long_rda = [seg for seg in segments if seg.rda and seg.numel > _CPU_CHUNK]
+    long_rda = [(i, seg) for i, seg in enumerate(segments) if seg.rda and seg.numel > _CPU_CHUNK]
     long_avg = [seg for seg in segments if not seg.rda and seg.numel > _CPU_CHUNK]
-    short = [seg for seg in segments if 0 < seg.numel <= _CPU_CHUNK]
-    coefs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    scales: dict[int, torch.Tensor] = {}
+    short = [(i, seg) for i, seg in enumerate(segments) if 0 < seg.numel <= _CPU_CHUNK]
+    coefs: dict[int, tuple[list[float], list[float]]] = {}
+    parts: dict[tuple[int, int], torch.Tensor] = {}  # (segment, chunk start) -> the chunk's block norms
+    scales: dict[int, float] = {}
 
     def rda_coef(i: int, seg: Segment) -> None:
-        coefs[i] = _rda_coef(cols(seg), w64)
+        sq = given[i]
+        coefs[i] = _rda_coef(_row_sq_norms(cols(seg)) if sq is None else sq, w)
+
+    def rda_chunk(i: int, seg: Segment, start: int, stop: int) -> None:
+        part = _combine_chunk(cols(seg), scalars[i], dst(seg), start, stop, True)
+        assert part is not None
+        parts[i, start] = part
 
     def rda_scale(i: int, seg: Segment) -> None:
         norms, coef = coefs[i]
-        scales[i] = _rda_scale(cols(seg), w64, norms, coef, dst(seg))
+        in_order = [parts[i, start] for start, _ in chunks(seg)]
+        scale = _rda_scale(w, norms, coef, in_order)
+        scales[i] = -scale if negate else scale
 
     def rescale(i: int, seg: Segment, start: int, stop: int) -> None:
         dst(seg)[start:stop].mul_(scales[i])
 
     w32_scalars = w32.unbind()
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="yeto-merge") as pool:
-        stage: list[Callable[[], object]] = [partial(rda_coef, i, seg) for i, seg in enumerate(long_rda)]
+        stage: list[Callable[[], object]] = [partial(rda_coef, i, seg) for i, seg in long_rda]
         stage += [partial(_combine_chunk, cols(seg), w32_scalars, dst(seg), a, b)
                   for seg in long_avg for a, b in chunks(seg)]
-        stage += [partial(merge_whole, batch) for batch in _batches(short, threads * _BATCHES_PER_THREAD)]
+        stage += [partial(merge_whole, batch) for batch in _indexed_batches(short, threads * _BATCHES_PER_THREAD)]
         _run_all(pool, stage)
-        scalars = {i: coefs[i][1].float().unbind() for i in range(len(long_rda))}
-        _run_all(pool, [partial(_combine_chunk, cols(seg), scalars[i], dst(seg), a, b)
-                        for i, seg in enumerate(long_rda) for a, b in chunks(seg)])
-        _run_all(pool, [partial(rda_scale, i, seg) for i, seg in enumerate(long_rda)])
-        _run_all(pool, [partial(rescale, i, seg, a, b) for i, seg in enumerate(long_rda) for a, b in chunks(seg)])
+        scalars = {i: torch.tensor(coefs[i][1], dtype=torch.float32).unbind() for i, _ in long_rda}
+        _run_all(pool, [partial(rda_chunk, i, seg, a, b) for i, seg in long_rda for a, b in chunks(seg)])
+        _run_all(pool, [partial(rda_scale, i, seg) for i, seg in long_rda])
+        _run_all(pool, [partial(rescale, i, seg, a, b) for i, seg in long_rda for a, b in chunks(seg)])
 
 
 def _check_finite_threaded(deltas: torch.Tensor, threads: int) -> int | None:

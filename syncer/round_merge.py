@@ -19,7 +19,14 @@ import torch
 
 from syncer.checkpoint import SyncerState
 from syncer.correction import HelocoConfig, heloco_correct
-from syncer.merge import Flattener, Segment, accurate_norm, learner_weights, merge_deltas, outer_gradient
+from syncer.merge import (
+    Flattener,
+    Segment,
+    accurate_norm,
+    learner_weights,
+    merge_deltas,
+    segment_sq_norms,
+)
 from syncer.outer import ACCUM_KEY, COUNT_KEY, OuterOptimizer, OuterState, outer_optimizer
 from syncer.rounds import Answer
 from yeto_core.layout import Layout, TensorSlot
@@ -136,14 +143,23 @@ def prepare_merge(
     commit, as long as none of them is on the same fragment."""
     t0 = time.perf_counter()
     ordered = sorted(answers, key=lambda a: a.learner_id)
-    norms = {a.learner_id: accurate_norm(a.delta) for a in ordered}
+    # One pass over the stacked deltas takes every learner's norm per tensor: RDA weighs its
+    # directions by them, and their sum is the delta's norm for the tape.
+    deltas = _stack(ordered, momentum, workspace)
+    sq = segment_sq_norms(deltas, segments, threads=threads)
+    totals = sq.sum(dim=1).tolist()
+    norms = {a.learner_id: math.sqrt(t) for a, t in zip(ordered, totals, strict=True)}
     # A delta whose norm does not fit float32 (values past ~1e19 do that) cannot be weighed by RDA.
     overflowed = {a.learner_id: max_abs(a.delta) for a in ordered if not math.isfinite(norms[a.learner_id])}
-    ordered = [a for a in ordered if a.learner_id not in overflowed]
+    if overflowed:  # rare: the rows left are stacked again
+        keep = [i for i, a in enumerate(ordered) if a.learner_id not in overflowed]
+        ordered = [ordered[i] for i in keep]
+        if ordered:
+            deltas, sq = _stack(ordered, momentum, workspace), sq[keep]
     weights = grad = None
     if ordered:
         weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
-                                        threads=threads, workspace=workspace, iso=iso)
+                                        threads=threads, workspace=workspace, iso=iso, stacked=(deltas, sq))
     return PreparedMerge(ordered, norms, overflowed, weights, grad, (time.perf_counter() - t0) * 1000)
 
 
@@ -193,23 +209,34 @@ def merge_round(
     return MergeOutcome([], [], 0.0, [], spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
 
 
-def _outer_gradient(
-    ordered: list[Answer], *, momentum: torch.Tensor, segments: list[Segment],
-    heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None, iso: Flattener | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The learners' weights and the fragment's outer gradient."""
-    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
+def _stack(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspace | None) -> torch.Tensor:
+    """The learners' deltas as one ``[M, N]`` buffer on the fragment's device (the workspace's, when given)."""
     rows = [a.delta for a in ordered]
     stacked = None if workspace is None else workspace.take("deltas", (len(rows), momentum.numel()),
                                                             momentum.device)
-    deltas = torch.stack(rows, out=stacked)
+    return torch.stack(rows, out=stacked)
+
+
+def _outer_gradient(
+    ordered: list[Answer], *, momentum: torch.Tensor, segments: list[Segment],
+    heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None, iso: Flattener | None = None,
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learners' weights and the fragment's outer gradient; `stacked`: the `ordered` deltas
+    stacked already, with their `segment_sq_norms`."""
+    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
+    deltas, sq = stacked if stacked is not None else (_stack(ordered, momentum, workspace), None)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
             heloco_correct(row, momentum, segments, heloco, out=row)
+        sq = None  # the corrected rows have norms of their own
+    if sq is None:
+        sq = segment_sq_norms(deltas, segments, threads=threads)
     out = None if workspace is None else workspace.take("merged", (momentum.numel(),), momentum.device)
-    merged = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, out=out,
-                          threads=threads, iso=iso)
-    return weights, outer_gradient(merged, out=merged)  # the merged delta is not needed after
+    # Δ = −merged, written by the merge itself: the negation costs no pass of its own.
+    grad = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, out=out,
+                        threads=threads, iso=iso, sq_norms=sq, negate=True)
+    return weights, grad
 
 
 def max_abs(x: torch.Tensor) -> float:

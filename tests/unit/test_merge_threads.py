@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from syncer import merge
-from syncer.merge import Segment, check_finite, merge_deltas
+from syncer.merge import Segment, check_finite, merge_deltas, segment_sq_norms
 
 pytestmark = pytest.mark.unit
 
@@ -125,3 +125,59 @@ def test_check_finite_answers_the_same_for_every_thread_count(monkeypatch: pytes
         assert check_finite(d) == expected
         for threads in THREADS:
             assert check_finite(d, threads=threads) == expected, f"threads={threads}"
+
+
+def test_given_segment_norms_change_no_bit_for_any_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round takes the norms once (`segment_sq_norms`) and hands them to the merge: the bits are
+    those of a merge that takes them itself, serial or threaded, and so are the norms themselves."""
+    monkeypatch.setattr(merge, "_CPU_CHUNK", 1 << 15)  # long segments of several chunks, quickly
+    rng = random.Random(7)
+    sizes = [rng.randint(1, 3000) for _ in range(60)] + [(1 << 15) * 3 + 5, 1 << 16, 40_000]
+    rda = [rng.random() < 0.7 for _ in sizes[:-3]] + [True, True, False]
+    segments = layout(sizes, rda)
+    deltas, w = deltas_for(4, sum(sizes), 8), weights(4, 9)
+    serial = merge_deltas(deltas, w, segments)
+    sq = segment_sq_norms(deltas, segments)
+    for threads in THREADS:
+        assert torch.equal(segment_sq_norms(deltas, segments, threads=threads), sq)
+        given = merge_deltas(deltas, w, segments, threads=threads, sq_norms=sq)
+        assert torch.equal(given.view(torch.int32), serial.view(torch.int32)), f"threads={threads}"
+
+
+def test_segment_norms_against_float64() -> None:
+    sizes = [1, 100, 16_384, 16_385, 70_001]
+    segments = layout(sizes, [True] * len(sizes))
+    deltas = deltas_for(3, sum(sizes), 10)
+    sq = segment_sq_norms(deltas, segments)
+    for i, seg in enumerate(segments):
+        ref = deltas[:, seg.offset : seg.offset + seg.numel].double().square().sum(dim=1)
+        assert torch.allclose(sq[:, i], ref, rtol=1e-6, atol=0), seg  # float32 blocks: ~1e-7
+    # A row's norm is the sum of its line, as the tape reports it.
+    assert torch.allclose(sq.sum(dim=1), deltas.double().square().sum(dim=1), rtol=1e-6, atol=0)
+
+
+def test_given_norms_of_the_wrong_shape_are_refused() -> None:
+    segments = layout([10, 20], [True, False])
+    deltas = deltas_for(2, 30, 11)
+    with pytest.raises(ValueError, match=r"sq_norms must be float64 \[2, 2\]"):
+        merge_deltas(deltas, weights(2, 1), segments, sq_norms=torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="sq_norms must be float64"):
+        merge_deltas(deltas, weights(2, 1), segments, sq_norms=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="segment 1 is at offset 11"):
+        segment_sq_norms(deltas, [Segment(0, 10, True), Segment(11, 19, True)])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_negate_writes_the_exact_negation(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round asks the merge for −merged (the outer gradient) in the merge's own passes: bit for
+    bit the negation, zero rows, cancelling rows and the sign of zero included."""
+    monkeypatch.setattr(merge, "_CPU_CHUNK", 1 << 14)
+    sizes = [5, 3000, (1 << 14) * 2 + 7, 9000, 1 << 15]
+    segments = layout(sizes, [True, False, True, True, False])
+    deltas = deltas_for(3, sum(sizes), 12)
+    deltas[1, : sizes[0] + sizes[1]] = 0.0
+    deltas[2, sum(sizes[:3]) : sum(sizes[:4])] = -deltas[0, sum(sizes[:3]) : sum(sizes[:4])]
+    w = torch.tensor([0.5, 0.0, 0.5])
+    plain = merge_deltas(deltas, w, segments, threads=threads)
+    negated = merge_deltas(deltas, w, segments, threads=threads, negate=True)
+    assert torch.equal(negated.view(torch.int32), plain.neg().view(torch.int32))
