@@ -107,3 +107,22 @@ def test_iso_segments_are_the_non_embedding_matrices_and_name_the_backend() -> N
     assert all(seg.iso_shape is None for seg in fragment_segments(layout, "rda")[0])
     assert backend_id(MergeSettings(merge="iso")) != backend_id(MergeSettings(merge="rda"))
     assert backend_id(MergeSettings(merge="iso")).startswith("iso-")
+
+
+@pytest.mark.parametrize("ramp", [0.1, 0.5, 0.9])
+def test_a_direction_on_the_threshold_ramp_is_weighed_by_its_float64_singular_value(
+        ramp: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A singular value between t and 2t (t the float32 rounding of the largest) has a weight
+    between 0 and 1, and a float32 SVD misplaces it by a good share of the ramp: the result's
+    norm must still be the float64 one to ~1e-7, not ~1e-4 (what the float32 value gives)."""
+    n = 64
+    g = torch.Generator().manual_seed(int(ramp * 10))
+    u, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    s = torch.linspace(1.0, 0.5, n, dtype=torch.float64)
+    tol = n * torch.finfo(torch.float32).eps
+    s[-1] = tol * (1 + ramp)  # on the ramp
+    update = ((u * s) @ v.t()).float()
+    want = float(flat_spectrum_f64(update).norm())
+    got = float(isotropic_(update.clone()).double().norm())
+    assert abs(got / want - 1) < 3e-7, (got, want)
