@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
     ("benchmarks.wire", ["--mib", "16", "--pushes", "1", "--learners", "2", "--rounds", "1", "--elements", "1M",
                          "--repeat", "1"], "ratio push_ingest_f32/raw_loopback = "),
     ("benchmarks.merge", ["--elements", "2M", "--learners", "2", "--repeat", "1"], "ratio merge/copy = "),
-    ("benchmarks.merge_methods", ["--sizes", "1M", "--learners", "2", "--repeat", "1"], "ratio rda/average = "),
+    ("benchmarks.merge_methods", ["--sizes", "1M", "--learners", "2", "--repeat", "1"],
+     "ratio rda/average in a round = "),
     ("benchmarks.rl_sweep", ["--mib", "8", "--iterations", "2"], "ratio sweep/raw_loopback = "),
     # the GPU check's merge script, dry-run on the CPU (the device checked is the CPU itself)
     ("benchmarks.gpu.merge_check", ["--device", "cpu", "--mib", "1", "--learners", "2", "--repeat", "1"],
