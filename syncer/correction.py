@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from syncer.merge import _NORM_BLOCK, Segment, _row_sq_norms
+from syncer.merge import _NORM_BLOCK, Segment, _check_segments, _row_sq_norms
 
 __all__ = ["HelocoConfig", "heloco_correct"]
 
@@ -161,14 +161,7 @@ def heloco_correct(
         raise ValueError(f"heloco_correct: momentum must match delta (float32 {tuple(delta.shape)} on "
                          f"{delta.device}), got {momentum.dtype} {tuple(momentum.shape)} on {momentum.device}")
     n = delta.numel()
-    expected = 0
-    for i, seg in enumerate(segments):
-        if seg.offset != expected or seg.numel < 0:
-            raise ValueError(f"heloco_correct: segment {i} is at offset {seg.offset} with {seg.numel} "
-                             f"elements; the next segment must start at {expected}")
-        expected += seg.numel
-    if expected != n:
-        raise ValueError(f"heloco_correct: segments cover {expected} elements, the delta has {n}")
+    _check_segments("heloco_correct", n, segments, "the delta")
     if out is None:
         out = torch.empty_like(delta)
     elif out.shape != delta.shape or out.dtype != torch.float32 or out.device != delta.device:

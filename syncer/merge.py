@@ -281,7 +281,8 @@ def weighted_average(
     return _combine_into(deltas, w32, _out_for("weighted_average", deltas, out))
 
 
-def _check_segments(name: str, n: int, segments: Sequence[Segment]) -> None:
+def _check_segments(name: str, n: int, segments: Sequence[Segment], what: str = "the fragment") -> None:
+    """The segments lie back to back from 0 and cover the ``n`` elements of ``what``."""
     expected = 0
     for i, seg in enumerate(segments):
         if seg.offset != expected or seg.numel < 0:
@@ -289,7 +290,7 @@ def _check_segments(name: str, n: int, segments: Sequence[Segment]) -> None:
                              f"elements; the next segment must start at {expected}")
         expected += seg.numel
     if expected != n:
-        raise ValueError(f"{name}: segments cover {expected} elements, the fragment has {n}")
+        raise ValueError(f"{name}: segments cover {expected} elements, {what} has {n}")
 
 
 def segment_sq_norms(deltas: torch.Tensor, segments: Sequence[Segment], *, threads: int = 1) -> torch.Tensor:

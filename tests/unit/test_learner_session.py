@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_harness import hand_fed
+from learner_harness import FakeClock, MemoryLink, hand_fed
 
+from yeto_core.learner import LearnerSession
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult
 from yeto_core.refusal import IslandRefused
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
@@ -335,9 +336,8 @@ def test_rl_overlap_mode_trains_on_at_once_and_rebases_its_merge_in_at_the_next_
     assert [j.steps for j in link.jobs] == [1, 1] and torch.equal(link.jobs[1].delta, torch.ones(2))
 
 
-def test_an_overlap_sweep_waits_for_a_pull_still_on_its_way_so_one_round_takes_the_whole_iteration() -> None:
-    """The syncer launches a sweep's rounds one after another: a pull can trail the sweep. Pushing
-    that fragment at a later sweep would put two iterations into one round; the sweep waits."""
+def overlapping_two_fragments() -> tuple[LearnerSession, MemoryLink, FakeClock, tuple[torch.Tensor, torch.Tensor]]:
+    """An overlapping RL learner of two fragments, one step trained and fragment 0's pull held."""
     a, b = torch.zeros(2), torch.zeros(2)
     s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, rl_mode="overlap")
     link.bcast(0, 0, 0, torch.zeros(2))
@@ -347,6 +347,13 @@ def test_an_overlap_sweep_waits_for_a_pull_still_on_its_way_so_one_round_takes_t
     a.add_(1.0)
     b.add_(1.0)
     s.step(tokens=5)
+    return s, link, clock, (a, b)
+
+
+def test_an_overlap_sweep_waits_for_a_pull_still_on_its_way_so_one_round_takes_the_whole_iteration() -> None:
+    """The syncer launches a sweep's rounds one after another: a pull can trail the sweep. Pushing
+    that fragment at a later sweep would put two iterations into one round; the sweep waits."""
+    s, link, clock, _ = overlapping_two_fragments()
     waits = []
 
     def second_pull_arrives_later() -> None:
@@ -365,15 +372,7 @@ def test_an_overlap_sweep_leaves_the_merge_of_its_own_push_for_the_next_sweep_ho
     """A round can merge while the sweep that pushed it still waits for another fragment's pull.
     Installed there, the next iteration would train from the merge or not as timing has it, and an
     overlapping run would not be reproducible; it goes in at the next sweep, by rebasing."""
-    a, b = torch.zeros(2), torch.zeros(2)
-    s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, rl_mode="overlap")
-    link.bcast(0, 0, 0, torch.zeros(2))
-    link.bcast(1, 0, 0, torch.zeros(2))
-    s.start()
-    link.pull(0, 0, 0)
-    a.add_(1.0)
-    b.add_(1.0)
-    s.step(tokens=5)
+    s, link, clock, (a, b) = overlapping_two_fragments()
     waits = []
 
     def merge_then_pull() -> None:
