@@ -230,7 +230,7 @@ def _rda_scale(w: Sequence[float], norms: Sequence[float], coef: Sequence[float]
     """The factor r/‖u‖, rounded to float32, that stretches the combined directions u (whose
     squared block norms are ``parts``) to the mean norm r."""
     radius = math.fsum(wm * n for wm, n in zip(w, norms, strict=True))
-    u_norm = math.sqrt(float(torch.cat(list(parts)).sum())) if parts else 0.0
+    u_norm = math.sqrt(float(torch.cat(tuple(parts)).sum())) if parts else 0.0
     # Directions that cancel leave float32 rounding noise in u, at most ~M·ε·Σw in norm; scaling
     # that noise up to the radius would invent a direction, so it counts as ‖u‖ = 0.
     noise = _CANCEL_ULPS * len(w) * _F32_EPS * math.fsum(wm for wm, c in zip(w, coef, strict=True) if c > 0)
