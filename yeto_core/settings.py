@@ -11,6 +11,7 @@ import difflib
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
@@ -23,6 +24,7 @@ from yeto_core.sections import ConsensusSettings, IslandSettings, LinkSettings, 
 log = logging.getLogger("yeto.settings")
 
 MIN_KEY_BYTES = 16
+MAX_SECRET_FILE_BYTES = 4096  # a key or token file larger than this is a mistake (or /dev/zero)
 
 
 class SettingsError(ValueError):
@@ -54,27 +56,53 @@ def parse_address(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def read_secret_file(path: Path, name: str, *, what: str = "secret", max_bytes: int = MAX_SECRET_FILE_BYTES) -> bytes:
+    """A secret (the HMAC key, a bearer token) from a regular file of at most `max_bytes`, surrounding
+    whitespace stripped. `name` is how errors call the file's setting. A device, a FIFO or a directory
+    is refused before it is read (`/dev/zero` would be read until memory runs out), and a file is read
+    at most one byte past the cap, so an absurd file costs nothing. Warns once when others can read it."""
+    where = f"{name}={path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot read the {what} file ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SettingsError(f"{where}: not a regular file; put the {what} in a file of its own")
+        if info.st_size > max_bytes:
+            raise SettingsError(f"{where}: {info.st_size} bytes is not a {what}; at most {max_bytes} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise SettingsError(f"{where}: cannot read the {what} file ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(raw) > max_bytes:  # it grew since fstat
+        raise SettingsError(f"{where}: more than {max_bytes} bytes is not a {what}")
+    if info.st_mode & 0o077:  # a usable secret others can read: say so, once per read
+        log.warning("%s: the file is readable by other users (mode %03o); `chmod 600 %s`", where,
+                    info.st_mode & 0o777, path)
+    return raw.strip()
+
+
 def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str, key_file_name: str | None = None) -> bytes:
     """The shared HMAC key from KEY or KEY_FILE (exactly one), at least 16 bytes. `key_file_name`
     is what errors call the file's setting (e.g. the `--key-file` flag it came from)."""
     if (key is None) == (key_file is None):
         raise SettingsError(f"set exactly one of {prefix}KEY or {prefix}KEY_FILE (the shared HMAC key)")
     if key_file is not None:
-        where = f"{key_file_name or prefix + 'KEY_FILE'}={key_file}"
-        try:
-            raw = key_file.read_bytes().strip()
-            mode = key_file.stat().st_mode
-        except OSError as exc:
-            raise SettingsError(f"{where}: cannot read the key file ({exc.strerror})") from exc
+        name = key_file_name or prefix + "KEY_FILE"
+        where = f"{name}={key_file}"
+        raw = read_secret_file(key_file, name, what="key")
     else:
         assert key is not None
-        raw, mode = key.get_secret_value().encode(), 0
+        raw = key.get_secret_value().encode()
         where = f"{prefix}KEY"
+        if len(raw) > MAX_SECRET_FILE_BYTES:
+            raise SettingsError(f"{where}: at most {MAX_SECRET_FILE_BYTES} bytes, got {len(raw)}")
     if len(raw) < MIN_KEY_BYTES:
         raise SettingsError(f"{where}: the key must be at least {MIN_KEY_BYTES} bytes, got {len(raw)}")
-    if mode & 0o077:  # a usable key others can read: say so, once per read
-        log.warning("%s: the key file is readable by other users (mode %03o); `chmod 600 %s`", where,
-                    mode & 0o777, key_file)
     return raw
 
 
