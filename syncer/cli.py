@@ -87,12 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_device(name: str) -> torch.device:
+def given_as(args: argparse.Namespace, setting: str) -> str:
+    """How an error names a setting: its flag when the command line gave it, else its variable."""
+    return flag_of(setting) if getattr(args, setting, None) is not None else f"YETO_SYNCER_{setting.upper()}"
+
+
+def resolve_device(name: str, setting: str) -> torch.device:
+    """The device `name` names, checked against this machine before anything starts on it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SettingsError(f"YETO_SYNCER_DEVICE={name}: CUDA is not available on this machine")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SettingsError(f"{setting}={name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SettingsError(f"{setting}={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -132,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(SyncerSettings, flags=True, **explicit)
         key = settings.read_key(key_file_flag=args.key_file is not None)
-        device = resolve_device(settings.device)
+        device = resolve_device(settings.device, given_as(args, "device"))
+        for worker_device in settings.iso_devices:
+            resolve_device(worker_device, given_as(args, "iso_worker_devices"))
         state = load_state(settings, device)
         iso_settings = load_settings(IsoWorkerSettings) if settings.iso_devices else None
     except (SettingsError, CheckpointError) as exc:

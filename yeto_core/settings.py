@@ -25,6 +25,17 @@ log = logging.getLogger("yeto.settings")
 
 MIN_KEY_BYTES = 16
 MAX_SECRET_FILE_BYTES = 4096  # a key or token file larger than this is a mistake (or /dev/zero)
+# Upper bounds of every duration and count: far past any real run, yet small enough that no timer
+# overflows (`threading` and `select` take at most ~2^31 ms; TCP_USER_TIMEOUT is an int of ms) and
+# nothing is allocated in proportion to an absurd value.
+HOUR_S = 3600.0
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+MAX_FRAGMENTS = 4096
+MAX_LEARNERS = 4096
+MAX_STEPS = 1_000_000  # an interval in learner steps (H), or an every-N count of rounds
+MAX_ROUNDS = 2**31 - 1
+MAX_MBPS = 10_000_000.0  # 10 Tb/s
 
 
 class SettingsError(ValueError):
@@ -131,42 +142,46 @@ class LearnerSettings(BaseSettings):
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key")
     learner_id: int = Field(default=0, ge=0, lt=2**32, description="this island's id; learner 0 sends INIT")
-    sync_interval: int = Field(default=24, ge=1, description="H: inner steps per fragment round trip")
+    sync_interval: int = Field(default=24, ge=1, le=MAX_STEPS, description="H: inner steps per fragment round trip")
     merge_alpha: float = Field(default=0.0, ge=0.0, le=1.0, description="without overlap, install "
                                "θ ← α·θ_local + (1−α)·Θ_global (0: overwrite)")
     wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
         default="f32", description="dtype of pushed deltas (the block-quantized ones use push_block)")
     push_block: int = Field(default=128, ge=1, le=1 << 20, description="values per scale of quantized pushes")
     data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
-    connect_timeout_s: float = Field(default=10.0, gt=0, description="deadline of one dial + handshake")
-    init_timeout_s: float = Field(default=600.0, ge=0, description="wait for the initial cut at start")
-    final_timeout_s: float = Field(default=300.0, ge=0, description="wait for the final cut at the end")
-    heartbeat_s: float = Field(default=2.0, gt=0, description="heartbeat period on the control stream")
-    peer_timeout_s: float = Field(default=30.0, gt=0, description="silence after which a link is dead")
-    reconnect_max_s: float = Field(default=30.0, gt=0, description="cap of the redial backoff")
-    wan_stall_timeout_s: float = Field(default=0.0, ge=0, description="fail a link whose bytes stop moving (0: off)")
+    connect_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of one dial + handshake")
+    init_timeout_s: float = Field(default=600.0, ge=0, le=WEEK_S, description="wait for the initial cut at start")
+    final_timeout_s: float = Field(default=300.0, ge=0, le=WEEK_S, description="wait for the final cut at the end")
+    heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control stream")
+    peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
+    reconnect_max_s: float = Field(default=30.0, gt=0, le=HOUR_S, description="cap of the redial backoff")
+    wan_stall_timeout_s: float = Field(default=0.0, ge=0, le=DAY_S,
+                                       description="fail a link whose bytes stop moving (0: off)")
     bcast_delta: bool = Field(default=False, description="take broadcasts as bf16 deltas against a shared anchor")
     wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
-    wan_probe_min_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this upload rate (0: no probe)")
-    wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, description="exit 75 below this download rate")
+    wan_probe_min_mbps: float = Field(default=0.0, ge=0, le=MAX_MBPS,
+                                      description="exit 75 below this upload rate (0: no probe)")
+    wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, le=MAX_MBPS,
+                                           description="exit 75 below this download rate")
     metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="serve this island's Prometheus "
                                      "/metrics on this port (rank 0 only; 0 picks a free one; none: off)")
     metrics_host: str = Field(default="127.0.0.1", description="address the island's /metrics listens on "
                               "(0.0.0.0 for a scraper on another host)")
     wan_probe_mib: int = Field(default=16, ge=1, le=1024, description="MiB moved each way by the bandwidth probe")
-    fragments: int | None = Field(default=None, ge=1, description="expected fragment count (None: syncer's)")
+    fragments: int | None = Field(default=None, ge=1, le=MAX_FRAGMENTS,
+                                  description="expected fragment count (None: syncer's)")
     tuning: Literal["auto", "lora", "full"] = Field(
         default="auto", description="lora: sync only LoRA adapter tensors; full: every trainable tensor; "
                                     "auto: lora when the model carries adapters")
     gather_chunk_mib: int = Field(default=64, ge=1, le=1 << 16,
                                   description="multi-rank islands: MiB of a fragment moved between ranks at a time")
-    collective_timeout_s: float = Field(default=300.0, gt=0,
+    collective_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S,
                                         description="multi-rank islands: deadline of one wait on the other ranks")
     overlap: bool = Field(default=True, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
                                                       "instead of blending with merge_alpha")
     blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
                                                   "'embedding', 'head', 'layers:N' (the first N layers) or indices")
-    blocking_timeout_s: float = Field(default=120.0, gt=0, description="longest wait for a blocking fragment")
+    blocking_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S, description="longest wait for a blocking fragment")
     alone_if_refused: bool = Field(default=False, description="after a permanent refusal (wrong key, layout, "
                                    "contract, an id held by another process) train on alone instead of stopping")
     final_flush: bool = Field(default=False, description="when training ends, push every fragment's last steps "
@@ -174,14 +189,15 @@ class LearnerSettings(BaseSettings):
     lockstep: bool = Field(default=False, description="pin the schedule to learner steps for reproducible "
                            "experiments: round k is answered at boundary k and its merge installed at the next "
                            "step, waiting for both; every island then waits for the slowest")
-    lockstep_timeout_s: float = Field(default=300.0, gt=0, le=86400,
+    lockstep_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S,
                                       description="lockstep: longest wait for a pull or a merge before training on")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
     rl_mode: Literal["stream", "sweep", "overlap"] = Field(
         default="stream", description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer "
         "steps; sweep: every fragment at the end of each RL iteration, the merges installed before the rollout gets "
         "weights; overlap: every fragment at the end of each iteration, training on at once and rebasing at the next")
-    consensus_every: int = Field(default=4, ge=0, description="evaluate the probe batch after every N installs of "
+    consensus_every: int = Field(default=4, ge=0, le=MAX_STEPS,
+                                 description="evaluate the probe batch after every N installs of "
                                  "merged fragments and report it to the syncer (0: no consensus signal)")
     consensus_top_k: int = Field(default=64, ge=1, le=1024,
                                  description="probabilities per probe token reported: the top k (the rest as one tail)")
@@ -258,18 +274,19 @@ class SyncerSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=7070, ge=0, lt=65536, description="port to listen on (0 picks a free one)")
-    learners: int = Field(default=2, ge=1, description="M: expected number of learners")
-    quorum: int = Field(default=0, ge=0, description="K: answers that close a round (0 = all M)")
-    fragments: int = Field(default=4, ge=1, description="P: fragments the model is split into")
+    learners: int = Field(default=2, ge=1, le=MAX_LEARNERS, description="M: expected number of learners")
+    quorum: int = Field(default=0, ge=0, le=MAX_LEARNERS, description="K: answers that close a round (0 = all M)")
+    fragments: int = Field(default=4, ge=1, le=MAX_FRAGMENTS, description="P: fragments the model is split into")
     pattern: Literal["binpack", "strided"] = Field(default="binpack", description="fragment layout")
-    total_rounds: int = Field(default=0, ge=0, description="fragment rounds before finalization "
+    total_rounds: int = Field(default=0, ge=0, le=MAX_ROUNDS, description="fragment rounds before finalization "
                               "(0: until the learners finish)")
     checkpoint: Path | None = Field(default=None, description="checkpoint file, safetensors + JSON metadata "
                                     "(none: no checkpoints)")
-    checkpoint_every: int = Field(default=1, ge=1, description="checkpoint after every N committed rounds")
+    checkpoint_every: int = Field(default=1, ge=1, le=MAX_STEPS,
+                                  description="checkpoint after every N committed rounds")
     background_checkpoint: bool = Field(default=False, description="write each checkpoint from a snapshot on its "
                                         "own thread while rounds go on (one writer at a time)")
-    checkpoint_retry_s: float = Field(default=120.0, gt=0, le=86400, description="retry a failed checkpoint write "
+    checkpoint_retry_s: float = Field(default=120.0, gt=0, le=DAY_S, description="retry a failed checkpoint write "
                                       "this long, holding every round, then stop with exit code 4")
     resume: bool = Field(default=False, description="resume from the checkpoint file when it exists")
     tape: Path | None = Field(default=None, description="JSONL event tape of every commit (none: no tape)")
@@ -280,10 +297,11 @@ class SyncerSettings(BaseSettings):
     device: str = Field(default="auto", description="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
     # Measured by benchmarks/compare_diloco.py (README "Does it learn?"): DiLoCo's stock 0.7/0.9
     # over-drives the strongly correlated deltas of a few dozen inner steps.
-    outer_lr: float = Field(default=0.5, gt=0, description="Nesterov outer learning rate")
+    outer_lr: float = Field(default=0.5, gt=0, le=100, description="Nesterov outer learning rate")
     outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
-    outer_delay: int = Field(default=4, ge=1, description="N of delayed Nesterov: momentum moves every N steps")
+    outer_delay: int = Field(default=4, ge=1, le=MAX_STEPS,
+                             description="N of delayed Nesterov: momentum moves every N steps")
     merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of non-embedding tensors: "
                                                     "radial-directional averaging (rda), rda with each 2-D matrix's "
                                                     "merged update given a flat spectrum (iso: its singular values "
@@ -297,32 +315,41 @@ class SyncerSettings(BaseSettings):
                                     "device, e.g. cpu,cpu or cuda:0,cuda:1 (none: the SVDs run in the syncer); "
                                     "deadlines from YETO_ISO_WORKER_*")
     decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")
-    round_timeout_s: float = Field(default=120.0, gt=0, description="a round below quorum retries after this")
-    pipeline: int = Field(default=2, ge=1, description="rounds in flight, on distinct fragments (1 = serial)")
-    grace_s: float = Field(default=5.0, ge=0, description="cap of the adaptive straggler grace window (0 disables)")
-    grace_gamma: float = Field(default=1.0, ge=0, description="γ of the grace window: share of the compute slack "
+    round_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S, description="a round below quorum retries after this")
+    pipeline: int = Field(default=2, ge=1, le=MAX_FRAGMENTS,
+                          description="rounds in flight, on distinct fragments (1 = serial)")
+    grace_s: float = Field(default=5.0, ge=0, le=HOUR_S,
+                           description="cap of the adaptive straggler grace window (0 disables)")
+    grace_gamma: float = Field(default=1.0, ge=0, le=100,
+                               description="γ of the grace window: share of the compute slack "
                                "spent waiting")
-    grace_tau: float = Field(default=2.0, ge=0, description="τ of the grace window: learner steps a round may take")
-    sync_interval_steps: int = Field(default=24, ge=0, description="pace rounds so each fragment syncs every H "
+    grace_tau: float = Field(default=2.0, ge=0, le=MAX_STEPS,
+                             description="τ of the grace window: learner steps a round may take")
+    sync_interval_steps: int = Field(default=24, ge=0, le=MAX_STEPS,
+                                     description="pace rounds so each fragment syncs every H "
                                      "learner steps (0: off)")
-    min_round_interval_s: float = Field(default=0.0, ge=0, description="floor between round launches (0: none)")
-    max_base_lag: int = Field(default=1, ge=0, description="carry a late push to its fragment's next round when its "
+    min_round_interval_s: float = Field(default=0.0, ge=0, le=DAY_S,
+                                        description="floor between round launches (0: none)")
+    max_base_lag: int = Field(default=1, ge=0, le=MAX_STEPS,
+                              description="carry a late push to its fragment's next round when its "
                               "base lags by at most this many versions")
     carry_answers_round: bool = Field(default=False, description="count carried pushes toward the quorum of the "
                                       "round they join")
-    init_timeout_s: float = Field(default=600.0, gt=0, description="exit when no INIT arrives by then")
-    final_timeout_s: float = Field(default=60.0, gt=0, description="wait for learners to take the final cut")
-    heartbeat_s: float = Field(default=2.0, gt=0, description="heartbeat period on the control streams")
-    peer_timeout_s: float = Field(default=30.0, gt=0, description="silence after which a link is dead")
-    handshake_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="deadline of a whole handshake, "
+    init_timeout_s: float = Field(default=600.0, gt=0, le=WEEK_S, description="exit when no INIT arrives by then")
+    final_timeout_s: float = Field(default=60.0, gt=0, le=WEEK_S, description="wait for learners to take the final cut")
+    heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control streams")
+    peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
+    handshake_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of a whole handshake, "
                                        "from accept until the key is proven")
     max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once; at the "
                                 "cap the oldest (open over 2 s) or the newcomer is closed (0: 64, or a quarter of "
                                 "the descriptor limit when lower)")
-    wan_stall_timeout_s: float = Field(default=0.0, ge=0, description="seconds without progress on a stream that "
+    wan_stall_timeout_s: float = Field(default=0.0, ge=0, le=DAY_S,
+                                       description="seconds without progress on a stream that "
                                        "fail its connection group; also TCP_USER_TIMEOUT after the initial cut "
                                        "(0: off)")
-    bcast_delta_full_every: int = Field(default=8, ge=1, description="for learners taking bf16 delta broadcasts: "
+    bcast_delta_full_every: int = Field(default=8, ge=1, le=MAX_STEPS,
+                                        description="for learners taking bf16 delta broadcasts: "
                                         "send the full fragment every N versions")
     wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="stripe chunks round-robin "
                                                            "(rr) or to the data stream with the earliest estimated "
@@ -346,6 +373,13 @@ class SyncerSettings(BaseSettings):
         if learners is not None and v > learners:
             raise ValueError(f"quorum {v} exceeds learners {learners}")
         return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v.strip()):
+            raise ValueError("expected auto, cpu, cuda or cuda:N")
+        return v.strip()
 
     @field_validator("iso_worker_devices")
     @classmethod
@@ -389,11 +423,11 @@ class IsoWorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="YETO_ISO_WORKER_", extra="forbid", frozen=True,
                                       allow_inf_nan=False)
 
-    startup_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="every worker must be ready "
+    startup_timeout_s: float = Field(default=120.0, gt=0, le=HOUR_S, description="every worker must be ready "
                                      "(torch imported, its device set up) this long after the first starts")
-    request_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="a worker must answer one matrix "
+    request_timeout_s: float = Field(default=600.0, gt=0, le=DAY_S, description="a worker must answer one matrix "
                                      "within this, or it is killed and the pool poisoned")
-    drain_timeout_s: float = Field(default=900.0, gt=0, le=86400, description="before a checkpoint or the final "
+    drain_timeout_s: float = Field(default=900.0, gt=0, le=DAY_S, description="before a checkpoint or the final "
                                    "cut, the queued and running matrices must be done within this")
     threads: int = Field(default=1, ge=1, le=256, description="torch threads of each worker (the same in every "
                          "worker, so any worker gives the same bits)")
@@ -418,7 +452,24 @@ def unknown_variables(cls: type[BaseSettings]) -> list[str]:
             close = difflib.get_close_matches(var.upper(), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(known)}"
             lines.append(f"{var} is not a yeto setting{hint}")
+        elif (meant := misspelt_prefix(var.upper(), prefix)) is not None:
+            close = difflib.get_close_matches(meant, known, n=1)
+            lines.append(f"{var} is not a yeto setting; did you mean {close[0] if close else meant}?")
     return lines
+
+
+def misspelt_prefix(var: str, prefix: str) -> str | None:
+    """`var` with `prefix` put in place of a misspelling of it (`YETO_SYNCR_QUORUM` →
+    `YETO_SYNCER_QUORUM`), or None when `var` does not start with something close to `prefix`:
+    such a variable would otherwise leave its setting at the default without a word."""
+    if var.startswith(prefix) or not var.startswith("YETO"):
+        return None
+    best, meant = 0.0, None
+    for cut in range(max(5, len(prefix) - 2), min(len(var), len(prefix) + 2) + 1):  # a letter or two off
+        ratio = difflib.SequenceMatcher(None, var[:cut], prefix).ratio()
+        if ratio > best:
+            best, meant = ratio, prefix + var[cut:].lstrip("_")
+    return meant if best >= 0.85 else None
 
 
 def configured(cls: type[BaseSettings]) -> bool:

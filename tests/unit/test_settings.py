@@ -1,18 +1,24 @@
 """Settings: explicit arguments beat the environment; a bad value names its variable."""
 
+import os
 from pathlib import Path
 
 import pytest
 
-from yeto_core.settings import LearnerSettings, SettingsError, SyncerSettings, load_settings, parse_address
+from yeto_core.settings import (
+    IsoWorkerSettings,
+    LearnerSettings,
+    SettingsError,
+    SyncerSettings,
+    load_settings,
+    parse_address,
+)
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     for name in list(os.environ):
         if name.startswith("YETO_"):
             monkeypatch.delenv(name)
@@ -152,3 +158,85 @@ def test_each_section_carries_its_settings_and_their_defaults_do_not_drift() -> 
     assert (tuned.link.data_streams, tuned.link.stall_timeout_s, tuned.link.stream_schedule) == (4, 9.0, "adaptive")
     assert tuned.island.heartbeat_s == 2.0 and tuned.consensus.every == 0
     assert SyncerSettings(outer_lr=0.3, merge="average").merging.outer_lr == 0.3
+
+
+def numeric_fields(cls: type) -> list[tuple[str, str]]:
+    """(field, annotation) of every number a settings class reads."""
+    out = []
+    for name, field in cls.model_fields.items():
+        kind = str(field.annotation)
+        if "int" in kind or "float" in kind:
+            out.append((name, kind))
+    return out
+
+
+ABSURD = [(cls, name) for cls in (LearnerSettings, SyncerSettings, IsoWorkerSettings)
+          for name, _ in numeric_fields(cls)]
+
+
+@pytest.mark.parametrize(("cls", "name"), ABSURD, ids=[f"{c.__name__}.{n}" for c, n in ABSURD])
+def test_every_number_has_an_upper_bound_and_an_absurd_value_is_named(
+        cls: type, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10^12 overflows timers (seconds) and would allocate without end as a count: each is refused
+    # with one line naming the variable, whatever the setting is.
+    prefix = str(cls.model_config["env_prefix"])  # type: ignore[attr-defined]
+    if cls is LearnerSettings:
+        monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
+    variable = f"{prefix}{name.upper()}"
+    monkeypatch.setenv(variable, "1000000000000")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(cls)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{variable}='1000000000000': "), message
+
+
+@pytest.mark.parametrize(("variable", "meant"), [
+    ("YETO_SYNCR_QUORUM", "YETO_SYNCER_QUORUM"),
+    ("YETO_SYNC_QUORUM", "YETO_SYNCER_QUORUM"),
+    ("YETO_DILCO_SYNC_INTERVAL", "YETO_DILOCO_SYNC_INTERVAL"),
+    ("YETODILOCO_SYNC_INTERVAL", "YETO_DILOCO_SYNC_INTERVAL"),
+    ("YETO_DILOCOO_LEARNER_ID", "YETO_DILOCO_LEARNER_ID"),
+    ("YETO_ISO_WROKER_THREADS", "YETO_ISO_WORKER_THREADS"),
+])
+def test_a_misspelt_prefix_is_named_with_the_setting_it_resembles(
+        variable: str, meant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:7000")
+    monkeypatch.setenv(variable, "5")
+    cls = next(c for c in (LearnerSettings, SyncerSettings, IsoWorkerSettings)
+               if meant.startswith(str(c.model_config["env_prefix"])))  # type: ignore[attr-defined]
+    with pytest.raises(SettingsError, match=f"^{variable} is not a yeto setting; did you mean {meant}\\?$"):
+        load_settings(cls)
+
+
+def test_variables_of_other_tools_and_of_other_sections_are_not_taken_for_misspellings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in ("YETO_PROBE", "YETO_TEST_RESULT_DIR", "YETO_ISO_WORKER_THREADS",
+                     "YETO_DILOCO_SYNC_INTERVAL"):
+        monkeypatch.setenv(variable, "1")
+    assert load_settings(SyncerSettings).quorum == 0
+    monkeypatch.setenv("YETO_SYNCER_QUORUM", "1")
+    assert load_settings(LearnerSettings, syncer="h:1").sync_interval == 1
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "gpu", "cpu:0:1"])
+def test_a_device_that_is_not_one_is_named(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("YETO_SYNCER_DEVICE", device)
+    with pytest.raises(SettingsError, match=f"^YETO_SYNCER_DEVICE='{device}': expected auto, cpu, cuda or cuda:N$"):
+        load_settings(SyncerSettings)
+
+
+@pytest.mark.parametrize("where", ["/dev/zero", "/dev/null", "directory", "fifo", "huge"])
+def test_a_key_file_is_a_small_regular_file(where: str, tmp_path: Path) -> None:
+    path = Path(where)
+    if where == "directory":
+        path = tmp_path
+    elif where == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)  # a read of it would block until a writer came
+    elif where == "huge":
+        path = tmp_path / "huge"
+        with path.open("wb") as f:
+            f.truncate(1 << 30)  # sparse: 1 GiB that costs no disk
+    settings = load_settings(SyncerSettings, key_file=path)
+    with pytest.raises(SettingsError, match=f"^YETO_SYNCER_KEY_FILE={path}: (not a regular file|.*is not a key)"):
+        settings.read_key()
