@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ log = logging.getLogger("yeto.syncer")
 # Settings with no flag: a key on the command line is visible to every user of the machine (`ps`);
 # a fault is a test hook, armed through the environment so that a whole process tree inherits it.
 NOT_FLAGS = frozenset({"key", "fault"})
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # A flag's text as its setting's type; pydantic then checks the value and its bounds.
 FLAG_TYPES: dict[object, Callable[[str], object]] = {int: int, float: float, str: str, Path: Path}
 
@@ -79,12 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
     for setting, field in SyncerSettings.model_fields.items():
         if setting not in NOT_FLAGS:
             add_setting_flag(p, setting, field)
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="logging level (default INFO)")
     former = p.add_argument_group("deprecated flags (each read as its new setting, with a warning)")
     for old, renamed in SyncerSettings.renamed.items():
         unit = ", in milliseconds" if renamed.unit == "ms" else ""
         former.add_argument(flag_of(old), type=float, help=f"former name of {flag_of(renamed.new)}{unit}")
     return p
+
+
+def check_output_path(path: Path | None, setting: str) -> None:
+    """A file the syncer will write (checkpoint, tape) must be creatable: its folder exists and is
+    writable, and the path itself is no folder. Found out at start, not at the first commit."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise SettingsError(f"{setting}={path}: is a directory; name a file in it")
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise SettingsError(f"{setting}={path}: its folder {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SettingsError(f"{setting}={path}: its folder {folder} is not writable")
+    if path.exists() and not path.is_file():
+        raise SettingsError(f"{setting}={path}: not a regular file")
 
 
 def given_as(args: argparse.Namespace, setting: str) -> str:
@@ -135,12 +155,14 @@ def run_shape(settings: SyncerSettings, device: torch.device) -> dict[str, objec
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     explicit = {k: v for k, v in vars(args).items() if k != "log_level"}
     try:
         settings = load_settings(SyncerSettings, flags=True, **explicit)
         key = settings.read_key(key_file_flag=args.key_file is not None)
+        check_output_path(settings.checkpoint, given_as(args, "checkpoint"))
+        check_output_path(settings.tape, given_as(args, "tape"))
         device = resolve_device(settings.device, given_as(args, "device"))
         for worker_device in settings.iso_devices:
             resolve_device(worker_device, given_as(args, "iso_worker_devices"))

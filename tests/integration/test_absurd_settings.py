@@ -30,6 +30,8 @@ def cases(key_file: Path, tmp_path: Path) -> list[tuple[str, list[str], dict[str
     """(case, argv, environment, the name the line must carry, a word of what it says)."""
     plain = syncer_argv(key_file=key_file)
     keyless = syncer_argv(key_file=None)
+    regular = tmp_path / "regular"
+    regular.write_text("")
     fifo = tmp_path / "key.fifo"
     os.mkfifo(fifo)
     return [
@@ -51,6 +53,11 @@ def cases(key_file: Path, tmp_path: Path) -> list[tuple[str, list[str], dict[str
         ("device cuda:7", [*plain, "--device", "cuda:7"], {}, "--device", "CUDA"),
         ("iso workers on cuda", [*plain, "--merge", "iso", "--iso-worker-devices", "cuda:0"], {},
          "--iso-worker-devices", "CUDA"),
+        ("tape under a regular file", [*plain, "--tape", str(regular / "tape.jsonl")], {}, "--tape",
+         "not a directory"),
+        ("tape a directory", [*plain, "--tape", str(tmp_path)], {}, "--tape", "is a directory"),
+        ("checkpoint in no folder", plain, {"YETO_SYNCER_CHECKPOINT": str(tmp_path / "none" / "c.safetensors")},
+         "YETO_SYNCER_CHECKPOINT", "does not exist"),
         ("misspelt prefix", plain, {"YETO_SYNCR_QUORUM": "1"}, "YETO_SYNCR_QUORUM", "YETO_SYNCER_QUORUM"),
     ]
 
