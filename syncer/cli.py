@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -30,6 +33,7 @@ from syncer.tape import EventTape
 from syncer.traffic import FanOut
 from syncer.web import serve
 from yeto_core.settings import IsoWorkerSettings, SettingsError, SyncerSettings, load_settings
+from yeto_core.web_server import read_token
 
 log = logging.getLogger("yeto.syncer")
 
@@ -146,6 +150,13 @@ def load_state(settings: SyncerSettings, device: torch.device) -> SyncerState | 
     return state
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def run_shape(settings: SyncerSettings, device: torch.device) -> dict[str, object]:
     """The run's shape, as the status page heads it."""
     return {"learners": settings.learners, "quorum": settings.effective_quorum, "fragments": settings.fragments,
@@ -163,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         key = settings.read_key(key_file_flag=args.key_file is not None)
         check_output_path(settings.checkpoint, given_as(args, "checkpoint"))
         check_output_path(settings.tape, given_as(args, "tape"))
+        web_token = None
+        if settings.metrics_token_file is not None:
+            web_token = read_token(settings.metrics_token_file, given_as(args, "metrics_token_file"))
         device = resolve_device(settings.device, given_as(args, "device"))
         for worker_device in settings.iso_devices:
             resolve_device(worker_device, given_as(args, "iso_worker_devices"))
@@ -179,15 +193,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"yeto syncer: {exc}", file=sys.stderr)
             return ISO_EXIT_CODE
     try:
-        return serve_run(settings, key, device, state, pool)
+        return serve_run(settings, key, device, state, pool, web_token)
     finally:
         if pool is not None:
             pool.close()
 
 
 def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state: SyncerState | None,
-              pool: IsoPool | None) -> int:
-    """Listen, run the coordinator until the run ends, and say how it ended."""
+              pool: IsoPool | None, web_token: bytes | None = None) -> int:
+    """Listen, run the coordinator until the run ends, and say how it ended. `web_token`: what the
+    web port (`--metrics-port`) requires, if anything."""
     tape = EventTape(settings.tape)
     metrics = SyncerMetrics(settings.fragments)
     board = StatusBoard(run_shape(settings, device), settings.fragments)
@@ -225,17 +240,25 @@ def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state:
     exposition = None
     if settings.metrics_port is not None:
         try:
-            exposition, metrics_port = serve(metrics.registry, board, settings.host, settings.metrics_port)
+            exposition = serve(metrics.registry, board, settings.metrics_host, settings.metrics_port, token=web_token,
+                               max_connections=settings.metrics_max_connections,
+                               request_timeout_s=settings.metrics_request_timeout_s)
         except OSError as exc:
             server.close()
-            print(f"yeto syncer: cannot serve metrics on {settings.host}:{settings.metrics_port} (--metrics-port): "
+            blame = "--metrics-host" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL \
+                else "--metrics-port"
+            print(f"yeto syncer: cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({blame}): "
                   f"{exc.strerror}", file=sys.stderr)
             return 2
+        if web_token is None and not is_loopback(exposition.host):
+            log.warning("the web port on %s has no token: anyone who reaches it reads the run's status "
+                        "(--metrics-token-file)", exposition.host)
     server.start()
     host, port = server.address
     if exposition is not None:
-        print(f"yeto syncer metrics on http://{host}:{metrics_port}/metrics", flush=True)
-        print(f"yeto syncer status page on http://{host}:{metrics_port}/", flush=True)
+        web = f"[{exposition.host}]" if ":" in exposition.host else exposition.host  # an IPv6 address
+        print(f"yeto syncer metrics on http://{web}:{exposition.port}/metrics", flush=True)
+        print(f"yeto syncer status page on http://{web}:{exposition.port}/", flush=True)
     print(f"yeto syncer listening on {host}:{port}", flush=True)
     log.info("M=%d learners, quorum %d, %d %s fragments, %s rounds, merge on %s", settings.learners,
              settings.effective_quorum, settings.fragments, settings.pattern, settings.total_rounds or "unlimited",
@@ -246,7 +269,7 @@ def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state:
         server.close()
         tape.close()
         if exposition is not None:
-            exposition.shutdown()
+            exposition.close()
     if stop.is_set() and code == 0:
         code = 130
     log.info("syncer exits with code %d", code)

@@ -22,7 +22,9 @@ raised on every rank. Trainers whose steps come in phases (RL: rollouts, then up
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -32,8 +34,9 @@ import torch
 from yeto_core.consensus_report import Probe
 from yeto_core.learner import LearnerSession, LearnerStats
 from yeto_core.learner_metrics import LearnerMetricsServer
-from yeto_core.settings import LearnerSettings
+from yeto_core.settings import LearnerSettings, SettingsError
 from yeto_core.store import TensorStore
+from yeto_core.web_server import read_token
 
 __all__ = ["CollectiveStore", "IslandSession", "IslandStats"]
 
@@ -164,11 +167,17 @@ class IslandSession:
     # -- internals -----------------------------------------------------------------------------
     def _serve_metrics(self, session: LearnerSession) -> LearnerMetricsServer:
         s = self.settings
+        token = None
+        if s.metrics_token_file is not None:
+            token = read_token(s.metrics_token_file, "YETO_DILOCO_METRICS_TOKEN_FILE")
         try:
-            server = LearnerMetricsServer(lambda: session.stats, s.learner_id, s.metrics_host, s.metrics_port or 0)
+            server = LearnerMetricsServer(lambda: session.stats, s.learner_id, s.metrics_host, s.metrics_port or 0,
+                                          token=token)
         except OSError as exc:
-            raise OSError(exc.errno, f"learner {s.learner_id}: cannot serve /metrics on {s.metrics_host}:"
-                          f"{s.metrics_port} (YETO_DILOCO_METRICS_PORT): {exc.strerror}") from None
+            setting = "METRICS_HOST" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL \
+                else "METRICS_PORT"
+            raise SettingsError(f"learner {s.learner_id}: cannot serve /metrics on {s.metrics_host}:{s.metrics_port} "
+                                f"(YETO_DILOCO_{setting}): {exc.strerror}") from None
         log.warning("yeto learner %d: metrics on http://%s:%d/metrics", s.learner_id, s.metrics_host, server.port)
         return server
 

@@ -2,22 +2,22 @@
 
 The trainer's logs already carry the `yeto_*` figures; a scraper that watches every island beside
 the syncer reads them here. A collector reads the learner session's counters when scraped: nothing
-is copied on the training thread, and a scrape reads plain numbers the training thread writes.
+is copied on the training thread, and a scrape reads plain numbers the training thread writes. The
+HTTP shell (`yeto_core.web_server`) bounds what a client may cost the trainer's process, and asks
+for a token when `YETO_DILOCO_METRICS_TOKEN_FILE` names one.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, make_server, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from yeto_core.learner_state import LearnerStats
+from yeto_core.web_server import Reply, WebServer, web_app
 
 PREFIX = "yeto_learner"
 # (name, type, help, read): every figure of `LearnerStats` a dashboard plots, in base units.
@@ -67,26 +67,20 @@ class LearnerCollector(Collector):
         yield l2
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """A scrape every few seconds is not worth a line on the trainer's stderr."""
-
-
 class LearnerMetricsServer:
-    """`/metrics` of one learner on a daemon thread; `port` is the bound one. Raises OSError when
-    the address cannot be bound."""
+    """`/metrics` of one learner on a daemon thread (with `token`, only for who sends it); `port` is
+    the bound one. Raises OSError when the address cannot be bound."""
 
-    def __init__(self, stats: Callable[[], LearnerStats], learner_id: int, host: str, port: int) -> None:
+    def __init__(self, stats: Callable[[], LearnerStats], learner_id: int, host: str, port: int, *,
+                 token: bytes | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(LearnerCollector(stats, learner_id))
-        self._server = make_server(host, port, make_wsgi_app(self.registry), ThreadingWSGIServer, handler_class=_Quiet)
-        self.port = int(self._server.server_port)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="yeto-learner-metrics", daemon=True)
-        self._thread.start()
+        routes = {"/metrics": lambda: Reply(CONTENT_TYPE_LATEST, generate_latest(self.registry))}
+        self._server = WebServer(web_app(routes, token=token), host, port, name="yeto-learner-metrics")
+        self.port = self._server.port
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
 
 def readme_table() -> str:

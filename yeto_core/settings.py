@@ -167,6 +167,8 @@ class LearnerSettings(BaseSettings):
                                      "/metrics on this port (rank 0 only; 0 picks a free one; none: off)")
     metrics_host: str = Field(default="127.0.0.1", description="address the island's /metrics listens on "
                               "(0.0.0.0 for a scraper on another host)")
+    metrics_token_file: Path | None = Field(default=None, description="file holding a bearer token the island's "
+                                            "/metrics requires (none: no token)")
     wan_probe_mib: int = Field(default=16, ge=1, le=1024, description="MiB moved each way by the bandwidth probe")
     fragments: int | None = Field(default=None, ge=1, le=MAX_FRAGMENTS,
                                   description="expected fragment count (None: syncer's)")
@@ -291,7 +293,16 @@ class SyncerSettings(BaseSettings):
     resume: bool = Field(default=False, description="resume from the checkpoint file when it exists")
     tape: Path | None = Field(default=None, description="JSONL event tape of every commit (none: no tape)")
     metrics_port: int | None = Field(default=None, ge=0, lt=65536, description="serve Prometheus /metrics and the "
-                                     "live status page (/) on this port of --host (0 picks a free one; none: off)")
+                                     "live status page (/) on this port of --metrics-host (0 picks a free one; "
+                                     "none: off)")
+    metrics_host: str = Field(default="127.0.0.1", description="address the web port listens on; 127.0.0.1 even "
+                              "when --host is 0.0.0.0 — set 0.0.0.0 to publish it")
+    metrics_token_file: Path | None = Field(default=None, description="file holding a bearer token the web port "
+                                            "requires (none: no token)")
+    metrics_max_connections: int = Field(default=32, ge=1, le=1024, description="connections the web port holds "
+                                         "at once; more wait in the kernel's queue")
+    metrics_request_timeout_s: float = Field(default=10.0, gt=0, le=300, description="a web connection is closed "
+                                             "when a request takes longer than this to arrive")
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
     device: str = Field(default="auto", description="merge device: auto (cuda when present) | cpu | cuda | cuda:N")

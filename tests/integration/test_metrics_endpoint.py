@@ -1,6 +1,7 @@
 """The syncer's `/metrics` (`--metrics-port`) in a real run: it parses with prometheus-client's own parser, and
 its counters equal the tape's counts; off unless asked for; a port it cannot bind is one line. The run's tape is
-then plotted with `yeto-plot`."""
+then plotted with `yeto-plot`. An island's own `/metrics` counts what its session did, asks for its token when it
+has one, and an address it cannot serve on is one line naming the setting."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from syncer.plot import PLOTS
 from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
-from yeto_core.settings import LearnerSettings, load_settings
+from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_core.wire.messages import Challenge, Error, Heartbeat, encode_frame
 from yeto_core.wire.transport import Stream
 
@@ -30,8 +32,9 @@ METRICS_LINE = re.compile(r"^yeto syncer metrics on (http://\S+/metrics)$", re.M
 ROUNDS = 6
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def scrape(url: str, token: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -147,12 +150,15 @@ def test_metrics_are_off_unless_asked_for_and_a_taken_port_is_one_line(procs: Pr
 
 
 @pytest.mark.timeout(90)
-def test_an_island_serves_its_own_metrics_when_asked(procs: Procs, key_file: Path) -> None:
+def test_an_island_serves_its_own_metrics_when_asked(procs: Procs, key_file: Path, tmp_path: Path) -> None:
     syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=2, total_rounds=4,
                           extra=["--sync-interval-steps", "2"])
+    token_file = tmp_path / "island.token"
+    token_file.write_text("island-scrape-7c1e\n")
+    token_file.chmod(0o600)
     weights = torch.zeros(8)
     settings = load_settings(LearnerSettings, syncer=syncer.address, key_file=key_file, learner_id=0,
-                             sync_interval=2, consensus_every=0, metrics_port=0)
+                             sync_interval=2, consensus_every=0, metrics_port=0, metrics_token_file=token_file)
     island = IslandSession(settings, [("w", weights[:4]), ("v", weights[4:])])
     try:
         island.start()
@@ -165,7 +171,11 @@ def test_an_island_serves_its_own_metrics_when_asked(procs: Procs, key_file: Pat
             if island.step(tokens=32):
                 break
             time.sleep(0.005)
-        metrics = scrape(url)
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            scrape(url)
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            scrape(url, token="wrong")
+        metrics = scrape(url, token="island-scrape-7c1e")
         stats = island.session.stats  # type: ignore[union-attr]
         mine = (("learner", "0"),)
         assert metrics[("yeto_learner_steps_total", mine)] == stats.steps == steps
@@ -180,17 +190,20 @@ def test_an_island_serves_its_own_metrics_when_asked(procs: Procs, key_file: Pat
         urllib.request.urlopen(url, timeout=2)
 
 
-def test_an_islands_metrics_port_that_is_taken_is_one_clear_error(key_file: Path) -> None:
+def test_an_islands_metrics_address_it_cannot_serve_on_is_one_line_naming_the_setting(key_file: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        settings = load_settings(LearnerSettings, syncer="127.0.0.1:1", key_file=key_file, learner_id=3,
-                                 metrics_port=port)
-        island = IslandSession(settings, [("w", torch.zeros(4))])
-        try:
-            with pytest.raises(OSError, match=f"learner 3: cannot serve /metrics on 127.0.0.1:{port} "
-                                              r"\(YETO_DILOCO_METRICS_PORT\): Address already in use"):
-                island.start()
-        finally:
-            island.close()
+        for host, setting, why in (("127.0.0.1", "PORT", "Address already in use"),
+                                   ("192.0.2.1", "HOST", "Cannot assign requested address")):  # not this machine's
+            settings = load_settings(LearnerSettings, syncer="127.0.0.1:1", key_file=key_file, learner_id=3,
+                                     metrics_port=port, metrics_host=host)
+            island = IslandSession(settings, [("w", torch.zeros(4))])
+            try:
+                with pytest.raises(SettingsError) as refused:
+                    island.start()
+            finally:
+                island.close()
+            assert str(refused.value) == (f"learner 3: cannot serve /metrics on {host}:{port} "
+                                          f"(YETO_DILOCO_METRICS_{setting}): {why}")
