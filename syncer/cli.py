@@ -23,6 +23,7 @@ from syncer.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.links import backend_id, sweep_problem
 from syncer.metrics import SyncerMetrics
 from syncer.payload import payload_screen
+from syncer.run_lock import RunLock, RunLockError
 from syncer.server import SyncerServer
 from syncer.status import StatusBoard
 from syncer.tape import EventTape
@@ -125,6 +126,12 @@ def run_shape(settings: SyncerSettings, device: torch.device) -> dict[str, objec
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the syncer; its checkpoint and tape stay locked until it returns (`run_lock.py`)."""
+    with RunLock() as run_lock:
+        return run_syncer(argv, run_lock)
+
+
+def run_syncer(argv: list[str] | None, run_lock: RunLock) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -133,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(SyncerSettings, flags=True, **explicit)
         key = settings.read_key(key_file_flag=args.key_file is not None)
         device = resolve_device(settings.device)
+        for flag, path in (("--checkpoint", settings.checkpoint), ("--tape", settings.tape)):
+            if path is not None:  # before anything reads or writes it: one syncer per path
+                run_lock.acquire(flag, path)
         state = load_state(settings, device)
         iso_settings = load_settings(IsoWorkerSettings) if settings.iso_devices else None
-    except (SettingsError, CheckpointError) as exc:
+    except (SettingsError, CheckpointError, RunLockError) as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     pool = None
