@@ -34,6 +34,7 @@ from conftest import (
 )
 
 from syncer.checkpoint import load_checkpoint
+from syncer.run_lock import lock_path_of
 
 pytestmark = pytest.mark.integration
 
@@ -183,3 +184,4 @@ def test_a_signal_ends_the_checkpoint_retries_within_a_second_and_the_last_check
     disk.free()
     assert syncer.checkpoint.read_bytes() == last
     assert load_checkpoint(syncer.checkpoint).next_round == commits(syncer)
+    assert not lock_path_of(syncer.checkpoint).exists(), "the run's lock file outlived a stop by signal"
