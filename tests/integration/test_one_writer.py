@@ -93,5 +93,6 @@ def test_resume_takes_over_the_paths_of_a_killed_syncer(procs: Procs, key_file: 
     finally:
         island.close()
     assert syncer_exit_code(second) == 0, second.proc.tail()
-    assert load_checkpoint(first.checkpoint).finalized
-    wait_until(lambda: not lock_path_of(first.checkpoint).exists(), 5, "the resumed run's lock file to go")
+    checkpoint = first.checkpoint
+    assert load_checkpoint(checkpoint).finalized
+    wait_until(lambda: not lock_path_of(checkpoint).exists(), 5, "the resumed run's lock file to go")
