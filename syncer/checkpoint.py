@@ -35,6 +35,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from syncer.stopping import StopRequest
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout, TensorSpec, build_layout
 
@@ -162,12 +163,14 @@ def _metadata(state: SyncerState, checksums: dict[str, str]) -> str:
 
 def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
                     read: Callable[[str, int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
-                    faults: FaultInjector = NO_FAULTS) -> int:
+                    faults: FaultInjector = NO_FAULTS, stop: StopRequest | None = None) -> int:
     """Write ``state`` to ``path`` atomically; returns the number of bytes written.
 
     ``read(kind, fragment)``, when given, is entered around each piece the writer reads and yields
     the tensor to read it from ("param", "momentum" or "accum"; see `snapshots.SnapshotReads`).
-    ``faults`` holds the ``mid-checkpoint`` point, between the synced temporary file and the rename."""
+    ``faults`` holds the ``mid-checkpoint`` point, between the synced temporary file and the rename.
+    ``stop``, once set, abandons the write before its next piece (`stopping.Stopped`): the
+    temporary file is removed and ``path`` stays the previous checkpoint."""
     if sys.byteorder != "little":
         raise RuntimeError("checkpoints are written on little-endian hosts only")
     path = Path(path)
@@ -208,6 +211,8 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
                     raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
                     crc = 0
                     for start in range(0, len(raw), _CHUNK):
+                        if stop is not None:
+                            stop.check(f"writing checkpoint {path}")
                         part = raw[start : start + _CHUNK]
                         f.write(part)
                         crc = zlib.crc32(part, crc)

@@ -3,7 +3,8 @@
 A failed write (this one, or the background write before it) is retried synchronously, with
 backoff, while the coordinator holds every round: nothing is committed or broadcast meanwhile,
 and the learners train on locally. The previous file stays valid throughout. Past
-`checkpoint_retry_s` the syncer stops with exit code 4 (`DurabilityLost`).
+`checkpoint_retry_s` the syncer stops with exit code 4 (`DurabilityLost`). A signal ends the
+retries (and a write in progress) within a moment (`stopping.Stopped`), the previous file as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from syncer.checkpoint import CheckpointError, SyncerState
 from syncer.leases import Leases
 from syncer.snapshots import CheckpointWriter
+from syncer.stopping import Stopped, StopRequest
 from syncer.tape import EventTape
 from yeto_core.faults import FaultInjector
 
@@ -34,12 +36,13 @@ class Checkpointing:
     """Writes to `path` (None: no checkpoints, every save is a no-op); failures go on the `tape`."""
 
     def __init__(self, path: Path | None, *, background: bool, retry_s: float, leases: Leases, tape: EventTape,
-                 faults: FaultInjector) -> None:
+                 faults: FaultInjector, stop: StopRequest | None = None) -> None:
         self.tape = tape
         self.retry_s = retry_s
+        self.stop = stop if stop is not None else StopRequest()
         self._size = 0  # bytes of params and momentum of the last state saved
         self.writer = (CheckpointWriter(path, background=background, leases=leases, progress=self.show_progress,
-                                        faults=faults)
+                                        faults=faults, stop=self.stop)
                        if path is not None else None)
 
     def show_progress(self) -> bool:
@@ -52,9 +55,11 @@ class Checkpointing:
         Durable or stop. A failed write (this one, or the background write before it) is retried
         synchronously, with backoff, while the coordinator holds every round: nothing is
         committed or broadcast meanwhile, and the learners train on locally. The previous file
-        stays valid throughout. Past `checkpoint_retry_s` it raises `DurabilityLost`."""
+        stays valid throughout. Past `checkpoint_retry_s` it raises `DurabilityLost`; once a stop
+        is requested it raises `Stopped` instead of writing, retrying or waiting on."""
         if self.writer is None or state is None:
             return None
+        self.stop.check(f"checkpoint {self.writer.path}")
         self._size = sum(t.numel() for t in state.params) * 8
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.retry_s
@@ -73,7 +78,9 @@ class Checkpointing:
                                          "checkpoint is durable") from exc
                 log.error("%s; holding every round and retrying in %.1f s (learners train on locally)", exc,
                           min(delay, left))
-                time.sleep(min(delay, left))
+                if self.stop.wait(min(delay, left)):
+                    raise Stopped(f"retrying checkpoint {self.writer.path} abandoned: the syncer is stopping; the "
+                                  "previous checkpoint is intact, nothing after it is durable") from exc
                 delay, wait = min(2 * delay, RETRY_MAX_S), True  # retries write synchronously
                 continue
             if failures:

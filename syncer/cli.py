@@ -27,6 +27,7 @@ from syncer.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.links import backend_id, sweep_problem
 from syncer.metrics import SyncerMetrics
 from syncer.payload import payload_screen
+from syncer.run_lock import RunLock, RunLockError
 from syncer.server import SyncerServer
 from syncer.status import StatusBoard
 from syncer.tape import EventTape
@@ -95,16 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_output_path(path: Path | None, setting: str) -> None:
-    """A file the syncer will write (checkpoint, tape) must be creatable: its folder exists and is
-    writable, and the path itself is no folder. Found out at start, not at the first commit."""
+    """A file the syncer will write (checkpoint, tape) must be creatable: its folder is made if
+    missing and must be writable, and the path itself is no folder. Found out at start, not at the
+    first commit."""
     if path is None:
         return
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise SettingsError(f"{setting}={path}: is a directory; name a file in it")
-    if not folder.is_dir():
-        what = "is not a directory" if folder.exists() else "does not exist"
-        raise SettingsError(f"{setting}={path}: its folder {folder} {what}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "is not a directory" if exc.errno in (errno.EEXIST, errno.ENOTDIR) else f"cannot be made ({exc.strerror})"
+        raise SettingsError(f"{setting}={path}: its folder {folder} {why}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SettingsError(f"{setting}={path}: its folder {folder} is not writable")
     if path.exists() and not path.is_file():
@@ -165,6 +169,12 @@ def run_shape(settings: SyncerSettings, device: torch.device) -> dict[str, objec
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the syncer; its checkpoint and tape stay locked until it returns (`run_lock.py`)."""
+    with RunLock() as run_lock:
+        return run_syncer(argv, run_lock)
+
+
+def run_syncer(argv: list[str] | None, run_lock: RunLock) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -180,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(settings.device, given_as(args, "device"))
         for worker_device in settings.iso_devices:
             resolve_device(worker_device, given_as(args, "iso_worker_devices"))
+        for setting, path in (("checkpoint", settings.checkpoint), ("tape", settings.tape)):
+            if path is not None:  # before anything reads or writes it: one syncer per path
+                run_lock.acquire(given_as(args, setting), path)
         state = load_state(settings, device)
         iso_settings = load_settings(IsoWorkerSettings) if settings.iso_devices else None
-    except (SettingsError, CheckpointError) as exc:
+    except (SettingsError, CheckpointError, RunLockError) as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     pool = None

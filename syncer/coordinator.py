@@ -16,6 +16,10 @@ effects it returns, in order (`effects.py`):
 
 It also answers the server's questions about the run (from the server's threads), and at the
 end closes every connection and joins its threads.
+
+A signal (`request_stop`) is obeyed within a second wherever this thread waits: the stop request
+(`stopping.py`) ends checkpoint retries and writes, iso drains and merges, and the joins at exit;
+each raises `Stopped`, and the run stops as the signal asked, its last checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from syncer.links import Phase, id_conflict
 from syncer.payload import decode_delta
 from syncer.protocol import SyncerProtocol
 from syncer.round_merge import PreparedMerge, RoundMerger
+from syncer.stopping import POLL_S, Stopped, StopRequest
 from syncer.tape import EventTape
 from syncer.traffic import BroadcastTimer, ShellObserver, wire_size
 from yeto_core.codecs import tensor_bytes
@@ -67,7 +72,9 @@ from yeto_core.wire.transport import ConnectionGroup, SendTicket
 log = logging.getLogger("yeto.syncer")
 
 SNAPSHOT_POOL = BufferPool()  # host copies of fragments for cuda sends, recycled once unused
-JOIN_TIMEOUT_S = 5.0  # per connection group, at exit
+JOIN_TIMEOUT_S = 5.0  # for every connection group's last messages and threads together, at exit
+STOP_GRACE_S = 0.5  # the same after a signal; then the sockets of groups still sending are cut
+CUT_JOIN_S = 1.0  # for the threads of groups whose sockets were cut
 
 
 class Coordinator:
@@ -96,11 +103,14 @@ class Coordinator:
         self.groups: dict[Peer, ConnectionGroup] = {}  # every connection the protocol may address
         self._closed_groups: list[ConnectionGroup] = []  # gone from the protocol; joined before exit
         self.leases = Leases()  # readers of committed tensors on other threads
+        self.stopping = StopRequest()  # set by a signal: every wait of this thread gives up (`Stopped`)
         self.checkpoints = Checkpointing(settings.checkpoint, background=settings.background_checkpoint,
                                          retry_s=settings.checkpoint_retry_s, leases=self.leases, tape=tape,
-                                         faults=faults)
+                                         faults=faults, stop=self.stopping)
         self.merger = RoundMerger(settings.merging, iso=iso)
         self.iso = iso
+        if iso is not None:
+            iso.abandon_on(self.stopping)
         self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
         # The heavy halves of merges run ahead here (`effects.Prepare`): one thread per round in flight.
         self._preparers = ThreadPoolExecutor(max_workers=settings.pipeline, thread_name_prefix="syncer-prepare")
@@ -130,7 +140,9 @@ class Coordinator:
         self.events.put(event)
 
     def request_stop(self) -> None:
-        """Stop without finalizing (a signal): committed state is already on disk."""
+        """Stop without finalizing (a signal): committed state is already on disk. Safe in a signal
+        handler: it takes no lock (`StopRequest`, `SimpleQueue.put`)."""
+        self.stopping.set()
         self.post(Stop(reason="signal"))
 
     @property
@@ -145,20 +157,46 @@ class Coordinator:
             except queue.Empty:
                 event = None
             self.handle(event)
-        self._decoders.shutdown(wait=True)
-        self._preparers.shutdown(wait=True)  # each ends within the pool's deadlines (or on its poison)
+        stopping = self.stopping.is_set()  # a signal: what has not started yet never will
+        self._decoders.shutdown(wait=True, cancel_futures=stopping)
+        # Each ends within the pool's deadlines (or on its poison, or within a moment of a stop).
+        self._preparers.shutdown(wait=True, cancel_futures=stopping)
         self._prepared.clear()
         if self.checkpoints.writer is not None:  # never exit in the middle of a background write
             try:
                 self.checkpoints.writer.wait()
             except CheckpointError as exc:
                 log.error("%s", exc)
-        groups = list(self.groups.values()) + self._closed_groups
-        for group in groups:
-            group.close("syncer stopped", last=Bye("syncer stopped"))  # what is queued goes out first
-        for group in groups:
-            group.join(timeout=JOIN_TIMEOUT_S)
+            except Stopped as exc:  # its temporary file is gone; the previous checkpoint stands
+                log.warning("%s", exc)
+        self._close_groups(list(self.groups.values()) + self._closed_groups)
         return self.protocol.exit_code
+
+    def _close_groups(self, groups: list[ConnectionGroup]) -> None:
+        """Close every group, what is queued going out first, and join its threads: within
+        JOIN_TIMEOUT_S in all, or STOP_GRACE_S once a stop is requested. The sockets of groups
+        still sending then are cut, so their threads end at once."""
+        for group in groups:
+            group.close("syncer stopped", last=Bye("syncer stopped"))
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        stop_seen = False
+        left = groups
+        while True:
+            left = [g for g in left if not g.join(0.0)]
+            if not left or time.monotonic() >= deadline:
+                break
+            if not stop_seen and self.stopping.is_set():
+                stop_seen = True
+                deadline = min(deadline, time.monotonic() + STOP_GRACE_S)
+            time.sleep(POLL_S)
+        if not left:
+            return
+        log.warning("cutting %d connection(s) that did not finish sending in time", len(left))
+        for group in left:
+            group.close("syncer stopped")  # without a last message: its streams are closed now
+        cut_deadline = time.monotonic() + CUT_JOIN_S
+        for group in left:
+            group.join(max(0.0, cut_deadline - time.monotonic()))
 
     def handle(self, event: Any | None) -> None:
         """One turn of the actor: `event` (None: only time passed) through the protocol, its effects
@@ -169,11 +207,14 @@ class Coordinator:
             if isinstance(ev, Connected):
                 ev = self._connected(ev)
             elif isinstance(ev, Prepared) and (failure := self._prepare_failure(ev.attempt)) is not None:
-                if not isinstance(failure, IsoPoolError):
+                if isinstance(failure, Stopped):  # a signal ended its wait on the pool
+                    ev = Stop(reason="signal")
+                elif isinstance(failure, IsoPoolError):
+                    log.critical("%s", failure)  # nothing of the fragment was written: the last checkpoint stands
+                    print(f"yeto syncer: {failure}", file=sys.stderr, flush=True)
+                    ev = Stop(ISO_EXIT_CODE, "the iso worker pool failed")
+                else:
                     raise RuntimeError(f"the merge of round {ev.round} failed") from failure
-                log.critical("%s", failure)  # nothing of the fragment was written: the last checkpoint stands
-                print(f"yeto syncer: {failure}", file=sys.stderr, flush=True)
-                ev = Stop(ISO_EXIT_CODE, "the iso worker pool failed")
             elif isinstance(ev, Left):
                 self._retire(self.groups.pop(Peer(ev.learner_id, ev.generation), None))
             elif isinstance(ev, Got) and self.observer is not None:
@@ -190,6 +231,9 @@ class Coordinator:
                 log.critical("%s", exc)
                 print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
                 pending = collections.deque([Stop(ISO_EXIT_CODE, "the iso worker pool failed")])
+            except Stopped as exc:  # a signal ended a wait: nothing of this turn after it is performed
+                log.warning("%s", exc)
+                pending = collections.deque([Stop(reason="signal")])
 
     def _connected(self, ev: Connected) -> Joined:
         """A new connection group: kept for the protocol's sends; its id checked against the holder's."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from syncer.iso_worker import ANSWER, JOB, OK, READY
+from syncer.stopping import POLL_S, StopRequest
 from yeto_core.codecs import tensor_bytes
 from yeto_core.faults import WORKER_POINTS, parse
 from yeto_core.settings import IsoWorkerSettings
@@ -41,6 +42,7 @@ from yeto_core.settings import IsoWorkerSettings
 log = logging.getLogger("yeto.syncer.iso")
 
 KILL_WAIT_S = 5.0
+CLOSE_GRACE_S = 0.5  # how long `close` lets workers end by themselves before it kills the busy ones
 ISO_EXIT_CODE = 5  # the syncer's exit code when its pool is poisoned or cannot start
 
 
@@ -156,7 +158,9 @@ class IsoPool:
         self._idle = threading.Condition(self._lock)
         self._numbers = 0
         self._poison: str | None = None
+        self._workers_killed = threading.Event()  # set once a poisoned pool has killed its workers
         self._closed = False
+        self._stop: StopRequest | None = None
         # The worker faults (iso-start, iso-job) are armed in the first worker only.
         worker_fault = fault if fault.strip() and parse(fault)[0] in WORKER_POINTS else ""
         self.workers: list[_Worker] = []
@@ -181,17 +185,30 @@ class IsoPool:
         log.info("iso workers ready in %.1f s: %s", time.monotonic() - t0, ", ".join(map(str, self.workers)))
 
     # -- the merge's side ------------------------------------------------------------------------
+    def abandon_on(self, stop: StopRequest) -> None:
+        """Once `stop` is set, `flatten` and `drain` stop waiting and raise `stopping.Stopped`."""
+        self._stop = stop
+
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
+    def _check_stop(self, what: str) -> None:
+        if self._stop is not None:
+            self._stop.check(what)
+
     def flatten(self, matrices: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Give each float32 matrix a flat spectrum, in place (`syncer.iso.isotropic_`); returns when
         all are done. IsoPoolError if the pool is or becomes poisoned (nothing is half written
         that the caller will use: the matrices are the merge's scratch)."""
         # Workers read and write host memory: a merge on an accelerator hands them host copies.
+        self._check_stop("an iso merge")
         jobs = [IsoJob(m if m.device.type == "cpu" else m.detach().cpu(), name) for name, m in matrices]
         request_s = self.settings.request_timeout_s
         for job in jobs:
             # A slot frees within a request deadline, or its worker is killed and the pool poisoned.
             while not self._slots.acquire(timeout=0.2):
                 self._check()
+                self._check_stop("an iso merge")
             if self._poison is not None or self._closed:
                 self._slots.release()
                 self._check()
@@ -201,8 +218,9 @@ class IsoPool:
                 number = self._numbers
             self._jobs.put((job, number))
         for job in jobs:
-            while not job.done.wait(min(request_s, 1.0)):
+            while not job.done.wait(min(request_s, POLL_S)):
                 self._check()
+                self._check_stop("an iso merge")
             if job.error is not None:
                 self._check()
                 raise IsoPoolError(job.error)
@@ -215,12 +233,13 @@ class IsoPool:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         late = 0
         with self._idle:
-            while self._in_flight and self._poison is None:
+            while self._in_flight and self._poison is None and not self._stopping():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     late = self._in_flight
                     break
-                self._idle.wait(min(left, 0.5))
+                self._idle.wait(min(left, POLL_S))
+        self._check_stop("draining the iso workers")
         if late:
             self._poison_with(f"iso workers did not drain {late} matrices within "
                               f"{self.settings.drain_timeout_s:g} s (YETO_ISO_WORKER_DRAIN_TIMEOUT_S)")
@@ -236,13 +255,18 @@ class IsoPool:
         return self._poison
 
     def close(self) -> None:
-        """End every worker (end of input; killed when it does not end by itself)."""
+        """End every worker (end of input; killed when it does not end by itself). A worker still
+        busy with a job is killed after `CLOSE_GRACE_S`: nobody waits for its answer now."""
         with self._lock:
             self._closed = True
         for _ in self.workers:
             self._jobs.put(None)
+        grace_until = time.monotonic() + CLOSE_GRACE_S
         for w in self.workers:
             if w.thread is not None:
+                w.thread.join(max(0.0, grace_until - time.monotonic()))
+                if w.thread.is_alive() and w.proc.poll() is None:
+                    w.proc.kill()  # its thread then reads the end of the worker's output and ends
                 w.thread.join(KILL_WAIT_S)
             try:
                 if w.proc.stdin is not None:
@@ -294,9 +318,11 @@ class IsoPool:
         log.error("iso pool poisoned: %s", why)
         for w in self.workers:  # a poisoned pool takes no more work: no worker is left running
             w.kill()
+        self._workers_killed.set()
 
     def _check(self) -> None:
         if self._poison is not None:
+            self._workers_killed.wait()  # raised once no worker is left running (each kill is bounded)
             raise IsoPoolError(self._poison)
         if self._closed:
             raise IsoPoolError("the iso worker pool is closed")

@@ -72,15 +72,19 @@ def scheduler_config(s: SyncerSettings) -> SchedulerConfig:
 def id_conflict(holder: Link | None, instance: bytes, *, holder_closed: bool, holder_silent_s: float) -> str | None:
     """Why process `instance` may not take the id `holder` holds, or None.
 
-    An id is taken while a live connection group of another process holds it. A group whose peer
-    went silent past the peer timeout closes itself and frees the id, so a restarted process takes
-    it over; a redial of the holder itself (the same instance) is welcome, and peers that name no
-    instance (all zeros) are never told apart."""
-    if holder is None or holder_closed or not any(instance) or holder.instance == instance:
+    An id held by a live connection group is never handed to a newcomer: the newcomer is the one
+    refused. A group whose peer went silent past the peer timeout, or whose connection broke,
+    closes itself and frees the id, so a restarted process takes it over. Only a redial of the
+    holder itself, naming the same instance, is welcome while its group lives (it replaces its
+    own stale group). A peer that names no instance (all zeros) cannot show that it is the
+    holder, so it never takes a held id."""
+    if holder is None or holder_closed or (any(instance) and holder.instance == instance):
         return None
+    unnamed = "" if any(instance) else (" (this peer names no process instance, so it cannot be told from the "
+                                        "holder)")
     return (f"learner id {holder.learner_id} is held by another live process, connected from {holder.address} "
-            f"(generation {holder.generation}, heard from {holder_silent_s:.1f} s ago); give each island "
-            "its own YETO_DILOCO_LEARNER_ID")
+            f"(generation {holder.generation}, heard from {holder_silent_s:.1f} s ago){unnamed}; give each "
+            "island its own YETO_DILOCO_LEARNER_ID")
 
 
 def layout_mismatch(learner_id: int, theirs: bytes, ours: bytes) -> str:

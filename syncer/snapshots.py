@@ -10,7 +10,9 @@ copies at most k fragments instead of all of them.
 
 One writer at a time: the next save, and every synchronous save, first waits for the write in
 flight, so the newest checkpoint always lands last. A failed write is raised by that wait (the
-file on disk is the previous one: `save_checkpoint` only ever replaces it atomically).
+file on disk is the previous one: `save_checkpoint` only ever replaces it atomically). A stop
+request abandons the write in flight within one piece, so that wait never outlasts a signal by
+more than a moment; it raises `stopping.Stopped`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, save_checkpoint
 from syncer.leases import Leases
+from syncer.stopping import Stopped, StopRequest
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
 
@@ -60,13 +63,16 @@ class SnapshotReads:
 
 class CheckpointWriter:
     def __init__(self, path: Path, *, background: bool, leases: Leases | None = None,
-                 progress: Callable[[], bool] = lambda: False, faults: FaultInjector = NO_FAULTS) -> None:
+                 progress: Callable[[], bool] = lambda: False, faults: FaultInjector = NO_FAULTS,
+                 stop: StopRequest | None = None) -> None:
         """`leases`: where a background snapshot leases the tensors it still has to read (needed
-        with `background`, so that commits do not write what the writer reads)."""
+        with `background`, so that commits do not write what the writer reads); `stop`: a write
+        gives up once it is set (`save_checkpoint`)."""
         if background and leases is None:
             raise ValueError("a background checkpoint writer needs the run's leases")
         self.path = path
         self.faults = faults
+        self.stop = stop
         self.background = background
         self.leases = leases
         self._progress = progress
@@ -99,7 +105,7 @@ class CheckpointWriter:
         return (time.perf_counter() - t0) * 1000
 
     def wait(self) -> None:
-        """Wait for the write in flight; raise CheckpointError if it failed."""
+        """Wait for the write in flight; raise CheckpointError if it failed, Stopped if it gave up."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -108,6 +114,8 @@ class CheckpointWriter:
     def _raise_failure(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, Stopped):
+                raise error
             raise CheckpointError(f"writing checkpoint {self.path} failed ({error}); the previous checkpoint "
                                   "is intact") from error
 
@@ -115,7 +123,7 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         try:
             save_checkpoint(self.path, state, progress=self._progress(), read=reads.read if reads else None,
-                            faults=self.faults)
+                            faults=self.faults, stop=self.stop)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
             return

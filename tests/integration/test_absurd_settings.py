@@ -56,8 +56,10 @@ def cases(key_file: Path, tmp_path: Path) -> list[tuple[str, list[str], dict[str
         ("tape under a regular file", [*plain, "--tape", str(regular / "tape.jsonl")], {}, "--tape",
          "not a directory"),
         ("tape a directory", [*plain, "--tape", str(tmp_path)], {}, "--tape", "is a directory"),
-        ("checkpoint in no folder", plain, {"YETO_SYNCER_CHECKPOINT": str(tmp_path / "none" / "c.safetensors")},
-         "YETO_SYNCER_CHECKPOINT", "does not exist"),
+        ("checkpoint under a regular file", plain, {"YETO_SYNCER_CHECKPOINT": str(regular / "c.safetensors")},
+         "YETO_SYNCER_CHECKPOINT", "not a directory"),
+        ("checkpoint a directory", plain, {"YETO_SYNCER_CHECKPOINT": str(tmp_path)}, "YETO_SYNCER_CHECKPOINT",
+         "is a directory"),
         ("misspelt prefix", plain, {"YETO_SYNCR_QUORUM": "1"}, "YETO_SYNCR_QUORUM", "YETO_SYNCER_QUORUM"),
     ]
 

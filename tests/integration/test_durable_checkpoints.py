@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    Island,
     Procs,
     Syncer,
     assert_bit_identical,
@@ -32,6 +34,7 @@ from conftest import (
 )
 
 from syncer.checkpoint import load_checkpoint
+from syncer.run_lock import lock_path_of
 
 pytestmark = pytest.mark.integration
 
@@ -54,10 +57,10 @@ class Disk:
             self._in_the_way.mkdir()
             return
         block = b"\0" * (64 << 10)
-        with open(self._filler, "ab") as f, contextlib.suppress(OSError):
+        # Unbuffered: a buffered file would try the bytes that did not fit again when it closes.
+        with open(self._filler, "ab", buffering=0) as f, contextlib.suppress(OSError):
             for _ in range(1024):  # at most 64 MiB: the disk is 4 MiB
                 f.write(block)
-                f.flush()
 
     def free(self) -> None:
         if self.mounted:
@@ -149,3 +152,36 @@ def test_no_final_cut_goes_out_before_it_is_durable_and_the_syncer_stops(procs: 
     assert syncer.checkpoint is not None
     state = load_checkpoint(syncer.checkpoint)  # the previous checkpoint, intact
     assert not state.finalized
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_ends_the_checkpoint_retries_within_a_second_and_the_last_checkpoint_stays(
+        procs: Procs, key_file: Path, disk: Disk) -> None:
+    """SIGTERM while every checkpoint write fails (and two minutes of retries are allowed): the
+    syncer stops at once with the signal's exit code, 130, and the checkpoint on disk is the last
+    one written whole."""
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=2, checkpoint_name=CHECKPOINT,
+                          extra=["--checkpoint-retry-s", "120"])
+    assert syncer.checkpoint is not None
+    island = Island(syncer, key_file)
+    try:
+        island.start()
+        island.train_until(lambda: commits(syncer) >= 2, 60, "two commits")
+        disk.fill()
+        island.train_until(lambda: "holding every round and retrying in 1.0 s" in syncer.proc.stderr(), 60,
+                           "the syncer to retry its checkpoint")
+        last = syncer.checkpoint.read_bytes()
+        started = time.monotonic()
+        os.kill(syncer.proc.pid, signal.SIGTERM)
+        code = syncer.proc.wait(30)
+        took = time.monotonic() - started
+    finally:
+        island.close()
+    assert code == 130, syncer.proc.tail()
+    assert took < 2.0, f"the syncer took {took:.1f} s to obey SIGTERM\n{syncer.proc.tail()}"
+    err = syncer.proc.stderr()
+    assert "retrying checkpoint" in err and "abandoned: the syncer is stopping" in err, syncer.proc.tail()
+    disk.free()
+    assert syncer.checkpoint.read_bytes() == last
+    assert load_checkpoint(syncer.checkpoint).next_round == commits(syncer)
+    assert not lock_path_of(syncer.checkpoint).exists(), "the run's lock file outlived a stop by signal"

@@ -95,7 +95,10 @@ class SyncerUnderTest:
         self.generations: dict[int, int] = {}
 
     # -- learners' side ----------------------------------------------------------------------
-    def join(self, lid: int, *, overlap: bool = False, instance: bytes = b"") -> MemoryGroup:
+    def join(self, lid: int, *, overlap: bool = False, instance: bytes | None = None) -> MemoryGroup:
+        """A new connection group of learner `lid`; `instance`: the process's HELLO.instance (by
+        default one of its own per learner id, the same on every join, as a real learner's)."""
+        instance = bytes([lid + 1]) * 16 if instance is None else instance
         generation = self.generations[lid] = self.generations.get(lid, 0) + 1
         group = self.groups[lid] = MemoryGroup()
         manifest = Manifest(self.layout.num_fragments, self.layout.pattern, SPECS) if lid == 0 else None

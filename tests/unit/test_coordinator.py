@@ -195,6 +195,52 @@ def test_a_second_process_with_a_held_id_is_refused_and_the_holder_stays() -> No
     assert s.tape.of("refused")[0]["code"] == "DUPLICATE"
 
 
+@pytest.mark.parametrize("instance", [bytes(16), b"B" * 16], ids=["no-instance", "another-process"])
+def test_an_id_held_by_a_live_group_is_never_handed_to_a_newcomer(instance: bytes) -> None:
+    """The newcomer is refused (DUPLICATE, naming where the holder connects from), whether it names
+    a process of its own or none at all; the holder keeps its link and its rounds commit."""
+    s = SyncerUnderTest(pipeline=1)
+    s.start(0, 1)
+    holder = s.groups[1]
+    newcomer = s.join(1, instance=instance)
+    (error,) = newcomer.of(Error)
+    assert newcomer.closed and error.code is ErrorCode.DUPLICATE
+    assert "learner id 1 is held by another live process, connected from test:1" in error.reason
+    assert ("cannot be told from the holder" in error.reason) == (not any(instance))
+    assert not holder.closed and s.co.protocol.links[1].generation == 1
+    s.groups[1], s.generations[1] = holder, 1  # the test speaks as the holder again
+    s.advance(0.0)
+    for lid in (0, 1):
+        s.push(lid, first_pull(s, lid), 1.0)
+    s.advance(0.0)
+    (commit,) = s.tape.of("commit")
+    assert commit["learners"] == [0, 1] and commit["generations"] == [1, 1]
+    assert [r["code"] for r in s.tape.of("refused")] == ["DUPLICATE"]
+
+
+def test_the_holder_redialing_replaces_its_own_stale_group() -> None:
+    """A learner whose connection broke on its side redials before the syncer saw the old group
+    close: the same instance is the same process, welcomed with the full state."""
+    s = SyncerUnderTest(pipeline=1)
+    s.start(0, 1)
+    stale = s.groups[1]
+    redial = s.join(1)
+    assert not redial.closed and not redial.of(Error)
+    assert stale.closed and stale.close_reason == "replaced by generation 2"
+    assert len(s.bcasts(1)) == 2  # every fragment, on the new group
+    assert s.co.protocol.links[1].generation == 2
+
+
+@pytest.mark.parametrize("instance", [bytes(16), b"B" * 16], ids=["no-instance", "another-process"])
+def test_a_holder_whose_group_closed_frees_the_id(instance: bytes) -> None:
+    s = SyncerUnderTest(pipeline=1)
+    s.start(0, 1)
+    s.groups[1].closed = True  # its connection broke; the syncer has not taken in its departure yet
+    newcomer = s.join(1, instance=instance)
+    assert not newcomer.closed and not newcomer.of(Error)
+    assert s.co.protocol.links[1].generation == 2 and not s.tape.of("refused")
+
+
 def test_rounds_that_lost_their_quorum_are_retired_once_and_wait_for_the_learner_to_return() -> None:
     """With every learner needed, a departure makes the open rounds unreachable: each is retired
     once and relaunched only when the learner is back, not retried every turn while it is away

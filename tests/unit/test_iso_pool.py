@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from syncer.iso import isotropic_
 from syncer.iso_pool import IsoPool, IsoPoolError
+from syncer.stopping import Stopped, StopRequest
 from yeto_core.settings import IsoWorkerSettings
 
 pytestmark = pytest.mark.timeout(120)
@@ -177,6 +179,40 @@ def test_drain_waits_at_most_its_deadline_then_poisons_the_pool() -> None:
             pool.drain()
         merging.join(30)
         assert not merging.is_alive() and errors, "the merge waiting on the pool did not end"
+
+
+def test_a_stop_request_ends_the_merges_waits_and_close_ends_a_busy_worker_at_once() -> None:
+    """A signal while a worker hangs on a job: the merge waiting for it and the drain before a
+    checkpoint both give up within a moment, and closing the pool kills the worker at once
+    instead of waiting out the request deadline."""
+    stop = StopRequest()
+    outcome: list[BaseException] = []
+    pool = IsoPool(["cpu"], settings(request_timeout_s=60, drain_timeout_s=60), fault="iso-job:stop")
+    try:
+        pool.abandon_on(stop)
+
+        def merge() -> None:
+            try:
+                pool.flatten(matrices(1))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        merging = threading.Thread(target=merge, daemon=True)
+        merging.start()
+        while pool.in_flight == 0:
+            threading.Event().wait(0.01)
+        threading.Timer(0.3, stop.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(Stopped, match="draining the iso workers abandoned"):
+            pool.drain()
+        assert time.monotonic() - t0 < 1.5
+        merging.join(2)
+        assert not merging.is_alive() and isinstance(outcome[0], Stopped), outcome
+    finally:
+        t0 = time.monotonic()
+        pool.close()
+        assert time.monotonic() - t0 < 3.0, "close waited for the hung worker"
+    assert pool.workers[0].proc.poll() is not None
 
 
 def test_a_merge_on_the_pool_is_the_merge_without_it() -> None:
