@@ -35,7 +35,7 @@ MAX_FRAGMENTS = 4096
 MAX_LEARNERS = 4096
 MAX_STEPS = 1_000_000  # an interval in learner steps (H), or an every-N count of rounds
 MAX_ROUNDS = 2**31 - 1
-MAX_MBPS = 10_000_000.0  # 10 Tb/s
+MAX_MBPS = 1e9  # 1 Pb/s: a probe floor above any link there is
 
 
 class SettingsError(ValueError):
@@ -67,7 +67,8 @@ def parse_address(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def read_secret_file(path: Path, name: str, *, what: str = "secret", max_bytes: int = MAX_SECRET_FILE_BYTES) -> bytes:
+def read_secret_file(path: Path, name: str, *, what: str = "secret", min_bytes: int = 1,
+                     max_bytes: int = MAX_SECRET_FILE_BYTES) -> bytes:
     """A secret (the HMAC key, a bearer token) from a regular file of at most `max_bytes`, surrounding
     whitespace stripped. `name` is how errors call the file's setting. A device, a FIFO or a directory
     is refused before it is read (`/dev/zero` would be read until memory runs out), and a file is read
@@ -91,10 +92,14 @@ def read_secret_file(path: Path, name: str, *, what: str = "secret", max_bytes: 
         os.close(fd)
     if len(raw) > max_bytes:  # it grew since fstat
         raise SettingsError(f"{where}: more than {max_bytes} bytes is not a {what}")
+    raw = raw.strip()
+    if len(raw) < min_bytes:  # before the warning below: an unusable secret is the one thing to say
+        raise SettingsError(f"{where}: the {what} must be at least {min_bytes} bytes, got {len(raw)}"
+                            if raw else f"{where}: the {what} file is empty")
     if info.st_mode & 0o077:  # a usable secret others can read: say so, once per read
         log.warning("%s: the file is readable by other users (mode %03o); `chmod 600 %s`", where,
                     info.st_mode & 0o777, path)
-    return raw.strip()
+    return raw
 
 
 def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str, key_file_name: str | None = None) -> bytes:
@@ -105,7 +110,7 @@ def read_key(key: SecretStr | None, key_file: Path | None, *, prefix: str, key_f
     if key_file is not None:
         name = key_file_name or prefix + "KEY_FILE"
         where = f"{name}={key_file}"
-        raw = read_secret_file(key_file, name, what="key")
+        raw = read_secret_file(key_file, name, what="key", min_bytes=MIN_KEY_BYTES)
     else:
         assert key is not None
         raw = key.get_secret_value().encode()

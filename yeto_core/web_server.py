@@ -93,8 +93,6 @@ def read_token(path: Path, name: str) -> bytes:
     must be printable ASCII without spaces, as an HTTP header carries it. `name` is the setting
     errors name. Raises SettingsError."""
     token = read_secret_file(path, name, what="token")
-    if not token:
-        raise SettingsError(f"{name}={path}: the token file is empty")
     if not re.fullmatch(rb"[\x21-\x7e]+", token):
         raise SettingsError(f"{name}={path}: a token is printable ASCII without spaces (an HTTP header carries it)")
     return token
