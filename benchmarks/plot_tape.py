@@ -1,7 +1,7 @@
 """`yeto-plot` on a long tape: its peak RSS and wall time, which must not grow with the tape's length.
 
     python -m benchmarks.plot_tape                  # a ~1 GB tape (1.1M rounds, 4 learners, 4 fragments)
-    python -m benchmarks.plot_tape --mb 100 --learners 8 --keep /tmp/t
+    python -m benchmarks.plot_tape --mb 100 --learners 8 --keep DIR
 
 Writes a synthetic tape of the records a syncer writes per round (`launch`, then `commit` with
 every field `syncer/commit.py` and the consensus add, a `carry` now and then, a `join` per

@@ -17,8 +17,8 @@ neighbouring points merge pairwise (their mean drawn as the point, their lowest 
 as a band) and each later point stands for twice as many records; the round timeline keeps at
 most ``POINTS`` bars per fragment (a merged bar spans its rounds, as opaque as they fill it),
 throughput is counted in at most ``POINTS`` time bins, and the first ``MAX_SERIES`` learners and
-fragments get a series each (the rest share one). A 1 GB tape of 1.1M rounds is drawn in about
-80 MiB of RSS (README, `python -m benchmarks.plot_tape`).
+fragments get a series each (the rest share one). A 1 GB tape of 1.1M rounds is drawn in 88 MiB
+of peak RSS (README, `python -m benchmarks.plot_tape`).
 
 Bad input is one line and exit status 2: one naming the tape and its line (longer than
 ``MAX_LINE_BYTES``, not a JSON object, nested too deeply, NaN or Infinity, no "event" and "t", a
