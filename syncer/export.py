@@ -16,7 +16,13 @@ the base model's weights (``--model``: a directory or cached id ``from_pretraine
 adapter's configuration (``--adapter-config``: PEFT's ``adapter_config.json``, or the directory
 holding it, as ``save_pretrained`` of the learner's PEFT model writes it). It writes both the
 merged model (``output_dir``, adapters folded into the base weights) and the adapter alone
-(``output_dir/adapter``, loadable with ``PeftModel.from_pretrained``).
+(``output_dir/adapter``, loadable with ``PeftModel.from_pretrained``). An adapter config the
+checkpoint does not match is refused before any model is loaded: one given for a full-tuning
+checkpoint (no LoRA tensors), or one whose ``target_modules`` or rank (``r``, ``rank_pattern``)
+differ from the checkpoint's LoRA tensors, with what differs named.
+
+Bad input is one line on stderr and exit status 2, before anything is written: the progress
+lines come only once the checkpoint is known to fit the model.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -32,10 +40,16 @@ from typing import Any
 import torch
 
 from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint
+from syncer.tool_args import ToolParser, one_line, unwritable_dir
 
 EXPORT_INFO = "yeto_export.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SHOW = 8  # names listed per kind of problem in an error message
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20  # PEFT's adapter_config.json is a few KiB
+# PEFT's adapter tensors: `<module>.lora_A.<adapter>.weight` [r, in] and `lora_B` [out, r] of a
+# linear layer, `lora_embedding_A.<adapter>` [r, vocab] and `lora_embedding_B` [dim, r] of an embedding.
+_LORA_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?:embedding_)?(?P<half>[AB])"
+                          r"(?:\.[^.]+)?(?:\.weight)?$")
 
 
 class ExportError(Exception):
@@ -139,6 +153,104 @@ def copy_into(net: torch.nn.Module, tensors: dict[str, torch.Tensor], *, allow_m
     return missing
 
 
+def adapter_config_file(adapter_config: Path) -> Path:
+    return adapter_config / "adapter_config.json" if adapter_config.is_dir() else adapter_config
+
+
+def read_adapter_config(adapter_config: Path) -> dict[str, Any]:
+    """PEFT's adapter_config.json (or the directory holding it) as a JSON object, read without
+    PEFT: a regular file of at most MAX_ADAPTER_CONFIG_BYTES."""
+    path = adapter_config_file(adapter_config)
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise ExportError(f"--adapter-config {path} is not a regular file")
+        if info.st_size > MAX_ADAPTER_CONFIG_BYTES:
+            raise ExportError(f"--adapter-config {path}: {info.st_size} bytes is not a PEFT adapter config")
+        raw = path.read_bytes()[: MAX_ADAPTER_CONFIG_BYTES + 1]
+    except OSError as exc:
+        raise ExportError(f"--adapter-config {path}: cannot read it ({exc.strerror})") from None
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        raise ExportError(f"--adapter-config {path} is not a JSON object (PEFT's adapter_config.json)")
+    return config
+
+
+def checkpoint_lora_ranks(state: SyncerState) -> dict[str, int]:
+    """The rank of each module the checkpoint's LoRA tensors adapt (lora_A's rows, lora_B's columns),
+    keyed by the module's name in the base model."""
+    ranks: dict[str, int] = {}
+    for spec in state.specs:
+        m = _LORA_TENSOR.match(spec.name)
+        if m is None or len(spec.shape) != 2:
+            continue
+        ranks.setdefault(m.group("module"), spec.shape[0] if m.group("half") == "A" else spec.shape[1])
+    return ranks
+
+
+def _targeted(module: str, targets: Any) -> bool:
+    """PEFT's `check_target_module_exists`: a regex matches the whole name, a name its last parts."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in targets)
+
+
+def _pattern_rank(module: str, rank_pattern: dict[str, Any], r: int) -> Any:
+    """PEFT's rank_pattern: the rank of the first pattern matching the end of the module's name."""
+    for pattern, rank in rank_pattern.items():
+        if re.match(rf"(.*\.)?{pattern}$", module):
+            return rank
+    return r
+
+
+def _target_problems(targets: Any, ranks: dict[str, int], path: Path, excluded: bool) -> list[str]:
+    """How PEFT's `target_modules` (a list of names or a regex) differ from the modules the
+    checkpoint's LoRA tensors adapt; "all-linear" and None are resolved by PEFT from the model.
+    With `exclude_modules` (`excluded`) a named target may rightly adapt nothing."""
+    if targets is None or targets == "all-linear":
+        return []
+    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise ExportError(f"--adapter-config {path}: its target_modules is neither a list of names nor a regex")
+    try:
+        stray = sorted({m.rsplit(".", 1)[-1] for m in ranks if not _targeted(m, targets)})
+    except re.error as exc:
+        raise ExportError(f"--adapter-config {path}: its target_modules {targets!r} is not a regex ({exc})") from None
+    shown = _listed(sorted(targets)) if isinstance(targets, list) else repr(targets)
+    problems = [f"the checkpoint has LoRA tensors for {_listed(stray)}, which its target_modules {shown} do not "
+                "adapt"] if stray else []
+    lacking = sorted(t for t in targets if not any(_targeted(m, [t]) for m in ranks)) \
+        if isinstance(targets, list) and not excluded else []
+    if lacking:
+        problems.append(f"its target_modules name {_listed(lacking)}, which the checkpoint has no LoRA tensors for")
+    return problems
+
+
+def check_adapter(config: dict[str, Any], path: Path, ranks: dict[str, int]) -> None:
+    """Refuse an adapter config whose target modules or ranks are not the checkpoint's: one
+    ExportError naming each difference (`ranks`: `checkpoint_lora_ranks`)."""
+    r, pattern = config.get("r"), config.get("rank_pattern") or {}
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ExportError(f"--adapter-config {path}: its rank r = {str(r)[:40]} is not an integer >= 1")
+    if not isinstance(pattern, dict):
+        raise ExportError(f"--adapter-config {path}: its rank_pattern is not a JSON object")
+    problems = _target_problems(config.get("target_modules"), ranks, path, bool(config.get("exclude_modules")))
+    try:
+        wrong = sorted((m, rank, _pattern_rank(m, pattern, r)) for m, rank in ranks.items()
+                       if rank != _pattern_rank(m, pattern, r))
+    except re.error as exc:
+        raise ExportError(f"--adapter-config {path}: a rank_pattern key is not a regex ({exc})") from None
+    if wrong:
+        module, rank, expected = wrong[0]
+        found = sorted({str(w[1]) for w in wrong})
+        problems.append(f"its rank is {expected} (r{' / rank_pattern' if pattern else ''}), but the checkpoint's LoRA "
+                        f"tensors have rank {', '.join(found)} ({len(wrong)} module(s), e.g. {module}: {rank})")
+    if problems:
+        raise ExportError(f"--adapter-config {path} does not match the checkpoint: " + "; ".join(problems))
+
+
 def lora_model(model: str, adapter_config: Path, tensors: dict[str, torch.Tensor]) -> tuple[Any, list[str]]:
     """The base model of `model` with the adapter of `adapter_config`, holding the checkpoint's
     adapter tensors; returns it and the base parameters it kept as loaded."""
@@ -148,14 +260,13 @@ def lora_model(model: str, adapter_config: Path, tensors: dict[str, torch.Tensor
         raise ExportError("exporting a LoRA checkpoint needs the peft package (pip install peft)") from exc
     from transformers import AutoModelForCausalLM
 
-    path = adapter_config / "adapter_config.json" if adapter_config.is_dir() else adapter_config
+    path = adapter_config_file(adapter_config)
     try:
         config = LoraConfig.from_json_file(str(path))
         config.pop("peft_type", None)
         lora_config = LoraConfig(**{k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__})
     except (OSError, ValueError, TypeError) as exc:
         raise ExportError(f"cannot read a LoRA adapter config from {path}: {exc}") from exc
-    log(f"loading the base model from {model}")
     try:
         base = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32)
     except Exception as exc:  # transformers raises assorted errors for a missing or partial model
@@ -178,6 +289,8 @@ def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "floa
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
         raise ExportError(f"--output-dir {output_dir} exists and is not empty; choose another directory or pass "
                           "--overwrite")
+    if (problem := unwritable_dir(output_dir)) is not None:
+        raise ExportError(f"--output-dir {output_dir}: {problem}")
     try:
         state = load_checkpoint(checkpoint)
     except CheckpointError as exc:
@@ -187,36 +300,44 @@ def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "floa
     if lora and adapter_config is None:
         raise ExportError(f"checkpoint {checkpoint} holds LoRA adapter weights ({_listed(lora)}): pass "
                           "--adapter-config (the adapter_config.json of the run's PEFT model, or its directory)")
+    if adapter_config is not None and not lora:
+        raise ExportError(f"--adapter-config {adapter_config}: checkpoint {checkpoint} holds no LoRA adapter tensors "
+                          "(a full-tuning run's); export it without --adapter-config")
+    if adapter_config is not None:
+        check_adapter(read_adapter_config(adapter_config), adapter_config_file(adapter_config),
+                      checkpoint_lora_ranks(state))
+
+    # The model is built and filled before the first progress line, so bad input is one line.
+    tensors = checkpoint_tensors(state)
+    if lora:
+        assert adapter_config is not None
+        net, left = lora_model(model, adapter_config, tensors)
+    else:
+        net = load_skeleton(model)
+        left = copy_into(net, tensors, allow_missing=allow_missing)
     if not state.finalized:
         log(f"warning: checkpoint {checkpoint.name} is not finalized (the run had not ended); "
             f"exporting the global model as of round {state.next_round}")
     log(f"checkpoint {checkpoint.name}: {len(names)} tensors, {state.num_fragments} fragments, "
-        f"versions {state.versions}, next round {state.next_round}")
-
-    tensors = checkpoint_tensors(state)
-    adapter_dir: Path | None = None
-    if lora:
-        assert adapter_config is not None
-        net, left = lora_model(model, adapter_config, tensors)
-        adapter_dir = output_dir / "adapter"
-        adapter_dir.mkdir(parents=True, exist_ok=True)
-        log(f"writing the adapter to {adapter_dir}")
-        net.save_pretrained(adapter_dir, safe_serialization=True)
-        net = net.merge_and_unload()  # the adapters folded into the base weights
-    else:
-        log(f"building the model from {model}")
-        net = load_skeleton(model)
-        left = copy_into(net, tensors, allow_missing=allow_missing)
-        if left:
-            log(f"kept the config's initial values for {len(left)} parameter(s) not in the checkpoint: "
-                f"{_listed(left)}")
-    if dtype != "float32":
-        net = net.to(_DTYPES[dtype])
-    net.config.dtype = _DTYPES[dtype]  # recorded in config.json, so from_pretrained keeps it
-
-    output_dir.mkdir(parents=True, exist_ok=True)
-    log(f"writing {output_dir} ({dtype})")
-    net.save_pretrained(output_dir, safe_serialization=True)
+        f"versions {state.versions}, next round {state.next_round}; "
+        + (f"adapters on the base model of {model}" if lora else f"the model built from {model}"))
+    if left and not lora:
+        log(f"kept the config's initial values for {len(left)} parameter(s) not in the checkpoint: {_listed(left)}")
+    adapter_dir = output_dir / "adapter" if lora else None
+    try:
+        if adapter_dir is not None:
+            adapter_dir.mkdir(parents=True, exist_ok=True)
+            log(f"writing the adapter to {adapter_dir}")
+            net.save_pretrained(adapter_dir, safe_serialization=True)
+            net = net.merge_and_unload()  # the adapters folded into the base weights
+        if dtype != "float32":
+            net = net.to(_DTYPES[dtype])
+        net.config.dtype = _DTYPES[dtype]  # recorded in config.json, so from_pretrained keeps it
+        output_dir.mkdir(parents=True, exist_ok=True)
+        log(f"writing {output_dir} ({dtype})")
+        net.save_pretrained(output_dir, safe_serialization=True)
+    except OSError as exc:
+        raise ExportError(f"--output-dir {output_dir}: cannot write the model ({exc.strerror or exc})") from exc
     info = {
         "checkpoint": checkpoint.name,
         "model": Path(model).name if Path(model).exists() else model,
@@ -233,15 +354,16 @@ def export(checkpoint: Path, model: str, output_dir: Path, *, dtype: str = "floa
         "transformers": _version("transformers"),
         "torch": torch.__version__,
     }
-    (output_dir / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    try:
+        (output_dir / EXPORT_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise ExportError(f"--output-dir {output_dir}: cannot write {EXPORT_INFO} ({exc.strerror})") from exc
     log(f"done: {output_dir} loads with AutoModelForCausalLM.from_pretrained")
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="yeto-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = ToolParser(prog="yeto-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, required=True, help="the syncer's checkpoint (safetensors)")
     p.add_argument("--model", required=True,
                    help="a config directory or a model id already in the local cache (never downloaded)")
@@ -262,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             export(args.checkpoint, args.model, args.output_dir, dtype=args.dtype,
                    allow_missing=args.allow_missing, adapter_config=args.adapter_config, overwrite=args.overwrite)
     except ExportError as exc:
-        log(f"error: {exc}")
+        print(one_line(f"yeto-export: error: {exc}"), file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -56,6 +56,15 @@ THROTTLE_POLL_S = 0.02  # syncer/protocol.py wakeup(): a throttled launch is loo
 RECEIVE_POOL_IDLE = 1 << 30  # yeto_core/wire/buffers.py DEFAULT_IDLE_BYTES: recycled receive buffers kept
 RUNTIME_BYTES = 300 << 20  # the syncer's interpreter, torch and sockets (260 MiB RSS in README's soak run)
 
+# Bounds a machine can honour. Every count an input gives is checked against them before anything is
+# sized by it, so an absurd one is a PlanError naming the input, not an allocation that never ends;
+# the search's cost grows with the islands and the tensors (each prediction sorts the islands).
+MAX_ISLANDS = 1024
+MAX_FRAGMENTS = 4096  # and rounds in flight
+MAX_INTERVAL = 1 << 20  # H, inner steps between a fragment's syncs
+MAX_TENSORS = 1 << 18  # synced tensors of a model (a 1,000-layer decoder has ~13,000)
+MAX_BLOCK = 1 << 20  # yeto_core/quant.py MAX_BLOCK
+
 # yeto_core/layout.py _LAYER_RE, for the `strided` pattern.
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
 
@@ -194,8 +203,8 @@ def fragment_params(model: Model, fragments: int, pattern: str = "binpack") -> t
     """Elements per fragment, as `yeto_core.layout.build_layout` splits the synced tensors: with
     P ≥ 2 the embedding is fragment 0 alone; the rest binpacked (largest first into the lightest,
     ties to the lower index) or strided (layer i to bin i mod B, the rest binpacked onto that)."""
-    if fragments < 1:
-        raise PlanError(f"--fragments {fragments}: must be at least 1")
+    if not 1 <= fragments <= MAX_FRAGMENTS:
+        raise PlanError(f"--fragments {fragments}: must be between 1 and {MAX_FRAGMENTS}")
     tensors = model.tensors
     split = fragments >= 2 and any(t.embedding for t in tensors)
     first = 1 if split else 0
@@ -322,10 +331,17 @@ def _median(values: Sequence[float]) -> float:
 def predict(setup: Setup, choice: Choice) -> Prediction:
     """What one choice costs on these islands and this syncer (module docstring)."""
     check_setup(setup)
+    return _predict(setup, choice)
+
+
+def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -> Prediction:
+    """`predict` of a checked setup; `sizes`, when given, are `fragment_params(setup.model,
+    choice.fragments, setup.pattern)` (the search computes them once per P)."""
     h, p = choice.sync_interval, choice.fragments
-    if h < 1 or choice.pipeline < 1:
-        raise PlanError(f"H={h}, pipeline {choice.pipeline}: both must be at least 1")
-    sizes = fragment_params(setup.model, p, setup.pattern)
+    if not (1 <= h <= MAX_INTERVAL and 1 <= choice.pipeline <= MAX_FRAGMENTS):
+        raise PlanError(f"H={h}, pipeline {choice.pipeline}: H must be between 1 and {MAX_INTERVAL}, the pipeline "
+                        f"between 1 and {MAX_FRAGMENTS}")
+    sizes = tuple(sizes) if sizes is not None else fragment_params(setup.model, p, setup.pattern)
     n_mean = sum(sizes) / p
     push = sum(push_wire_bytes(choice.codec, n, setup.block) for n in sizes) / p
     bcast = sum(bcast_wire_bytes(choice.downlink, n) for n in sizes) / p
@@ -396,8 +412,8 @@ def _island_bound(upload: float, download: float) -> str:
 
 def check_setup(setup: Setup) -> None:
     """One PlanError naming the first input that cannot describe a run."""
-    if not setup.islands:
-        raise PlanError("--islands: at least one island is needed")
+    if not 1 <= len(setup.islands) <= MAX_ISLANDS:
+        raise PlanError(f"--islands {len(setup.islands)}: between 1 and {MAX_ISLANDS} islands")
     for j, i in enumerate(setup.islands):
         for name, value in (("--up-mbps", i.up_bps), ("--down-mbps", i.down_bps), ("--step-s", i.step_s)):
             if not (value > 0 and math.isfinite(value)):
@@ -406,12 +422,26 @@ def check_setup(setup: Setup) -> None:
         raise PlanError(f"--quorum {setup.quorum}: must be between 1 and the {len(setup.islands)} islands")
     host = setup.host
     for rate in (host.link_in_bps, host.link_out_bps):
-        if rate is not None and not rate > 0:
-            raise PlanError(f"--syncer-mbps: the syncer's link rate {rate:g} must be > 0")
-    if not host.merge_bps > 0:
-        raise PlanError(f"--merge-gbps: the syncer's merge rate {host.merge_bps:g} must be > 0")
+        if rate is not None and not (rate > 0 and math.isfinite(rate)):
+            raise PlanError(f"--syncer-mbps: the syncer's link rate {rate:g} must be a finite number > 0")
+    for flag, value in (("--merge-gbps", host.merge_bps), ("--checkpoint-gbps", host.checkpoint_bps),
+                        ("--syncer-memory-gib", host.memory_bytes)):
+        if not (value > 0 and math.isfinite(value)):
+            raise PlanError(f"{flag}: {value:g} must be a finite number > 0")
+    if host.checkpoint_every < 0:
+        raise PlanError(f"--checkpoint-every {host.checkpoint_every}: cannot be negative")
+    if not 1 <= setup.block <= MAX_BLOCK:
+        raise PlanError(f"--push-block {setup.block}: must be between 1 and {MAX_BLOCK}")
+    for flag, value in (("--rtt-ms", setup.rtt_s), ("--queue-ms", setup.queue_s)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise PlanError(f"{flag}: the delay {value * 1000:g} ms must be a finite number >= 0")
+    if not 0 < setup.tcp_efficiency <= 1:
+        raise PlanError(f"--tcp-efficiency {setup.tcp_efficiency:g}: must be in (0, 1]")
     if not setup.model.tensors or setup.model.synced_params <= 0:
         raise PlanError(f"--model: {setup.model.name} has no parameters to sync")
+    if len(setup.model.tensors) > MAX_TENSORS:
+        raise PlanError(f"--model: {setup.model.name} has {len(setup.model.tensors)} synced tensors; at most "
+                        f"{MAX_TENSORS} are planned for")
 
 
 # ---- the search -------------------------------------------------------------------------------------
@@ -437,26 +467,32 @@ def _meets(pred: Prediction, setup: Setup, search: Search) -> bool:
     return pred.utilization >= search.target_utilization and pred.memory.total <= setup.host.memory_bytes
 
 
-def _smallest_interval(setup: Setup, search: Search, codec: str, downlink: str, p: int,
+def _smallest_interval(setup: Setup, search: Search, codec: str, downlink: str, sizes: Sequence[int],
                        depth: int) -> Prediction | None:
-    """The smallest multiple of P in [min, max] meeting the target (utilization grows with H)."""
+    """The smallest multiple of P in [min, max] meeting the target (utilization grows with H);
+    `sizes` are the P fragments' parameter counts."""
+    p = len(sizes)
+
+    def at(h: int) -> Prediction:
+        return _predict(setup, Choice(h, codec, downlink, p, depth), sizes)
+
     if search.interval is not None:
-        pred = predict(setup, Choice(search.interval, codec, downlink, p, depth))
+        pred = at(search.interval)
         return pred if _meets(pred, setup, search) else None
     lo, hi = max(1, math.ceil(search.min_interval / p)), search.max_interval // p
     if lo > hi:
         return None
-    best = predict(setup, Choice(hi * p, codec, downlink, p, depth))
+    best = at(hi * p)
     if not _meets(best, setup, search):
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        pred = predict(setup, Choice(mid * p, codec, downlink, p, depth))
+        pred = at(mid * p)
         if _meets(pred, setup, search):
             best, hi = pred, mid
         else:
             lo = mid + 1
-    return best if best.choice.sync_interval == lo * p else predict(setup, Choice(lo * p, codec, downlink, p, depth))
+    return best if best.choice.sync_interval == lo * p else at(lo * p)
 
 
 def _rank(pred: Prediction) -> tuple[int, int, int, int, int]:
@@ -471,19 +507,20 @@ def recommend(setup: Setup, search: Search) -> Recommendation:
     """The best choice meeting the target utilization within the host's memory, or a PlanError
     that names what stands in the way."""
     check_setup(setup)
+    check_search(search)
     _check_state_fits(setup)
     found: list[Prediction] = []
     feasible_p = []
     for p in search.fragments:
         try:
-            fragment_params(setup.model, p, setup.pattern)
+            sizes = fragment_params(setup.model, p, setup.pattern)  # once per P: a sort of every tensor
         except PlanError:
             continue
         feasible_p.append(p)
         for codec in search.codecs:
             for downlink in search.downlinks:
                 for depth in sorted({min(d, p) for d in search.pipelines}):
-                    pred = _smallest_interval(setup, search, codec, downlink, p, depth)
+                    pred = _smallest_interval(setup, search, codec, downlink, sizes, depth)
                     if pred is not None:
                         found.append(pred)
     if not feasible_p:
@@ -509,6 +546,22 @@ def recommend(setup: Setup, search: Search) -> Recommendation:
             seen.add(key)
             others.append(pred)
     return Recommendation(best, tuple(others))
+
+
+def check_search(search: Search) -> None:
+    """One PlanError naming the first knob of the search that no run could have."""
+    if not 0 < search.target_utilization <= 1:
+        raise PlanError(f"--target-utilization {search.target_utilization:g}: must be in (0, 1]")
+    if not 1 <= search.min_interval <= search.max_interval <= MAX_INTERVAL:
+        raise PlanError(f"--min-h {search.min_interval}, --max-h {search.max_interval}: need 1 <= --min-h <= --max-h "
+                        f"<= {MAX_INTERVAL}")
+    if search.interval is not None and not 1 <= search.interval <= MAX_INTERVAL:
+        raise PlanError(f"--h {search.interval}: must be between 1 and {MAX_INTERVAL}")
+    for flag, values in (("--fragments", search.fragments), ("--pipeline", search.pipelines)):
+        if not values or not all(1 <= v <= MAX_FRAGMENTS for v in values):
+            raise PlanError(f"{flag} {','.join(map(str, values))}: each must be between 1 and {MAX_FRAGMENTS}")
+    if search.run_steps is not None and search.run_steps < 1:
+        raise PlanError(f"--steps {search.run_steps}: a run has at least one step")
 
 
 def _check_state_fits(setup: Setup) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from collections.abc import Mapping, Sequence
@@ -29,6 +31,11 @@ from syncer.plan import (
     DOWNLINKS,
     ETHERNET_FRAME,
     GIB,
+    MAX_BLOCK,
+    MAX_FRAGMENTS,
+    MAX_INTERVAL,
+    MAX_ISLANDS,
+    MAX_TENSORS,
     MSS,
     PUSH_CODECS,
     Choice,
@@ -44,6 +51,7 @@ from syncer.plan import (
     predict,
     recommend,
 )
+from syncer.tool_args import ToolParser, one_line
 
 # Llama-2-7B and Llama-2-70B (their HF config.json), written out so nothing is downloaded.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -59,18 +67,54 @@ DEFAULT_LORA_TARGETS = ATTENTION
 # Input embeddings as HF, GPT-2, BLOOM and Megatron name them (yeto_plugins/torch_dist/modules.embedding_names
 # finds them from the live model; a checkpoint header only has names).
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
-MAX_HEADER_BYTES = 100 << 20  # the safetensors crate's own bound on a header
+# What a model input may hold; past these it is not a model this planner sizes, and it is refused
+# before anything is built from it (a header's JSON takes ~15x its bytes in memory).
+MAX_HEADER_BYTES = 16 << 20  # safetensors headers of --model, all files together (a 70B model's: ~0.3 MiB)
+MAX_CONFIG_BYTES = 1 << 20  # an HF config.json is a few KiB
+MAX_FILES = 1024  # .safetensors files in a --model dir
+MAX_DIMS = 8  # of a tensor's shape
+MAX_NUMEL = 1 << 48  # elements of one tensor
+MAX_LORA_RANK = 1 << 16
+MAX_PROBE_MIB = 1024  # yeto_core/wire/messages.py MAX_PROBE_BYTES each way, in MiB
+# A Llama-like config's fields: required or not, and the largest value planned for.
+CONFIG_FIELDS: dict[str, tuple[bool, int]] = {
+    "hidden_size": (True, 1 << 20), "intermediate_size": (True, 1 << 22), "num_hidden_layers": (True, 1024),
+    "num_attention_heads": (True, 1 << 16), "num_key_value_heads": (False, 1 << 16), "head_dim": (False, 1 << 16),
+    "vocab_size": (True, 1 << 24),
+}
 
 
 # ---- models ---------------------------------------------------------------------------------------
 
 
+def decoder_shape(cfg: Mapping[str, Any], where: str = "--model") -> dict[str, Any]:
+    """`cfg` with its size fields checked (integers in the bounds of CONFIG_FIELDS) and the
+    optional ones filled in as transformers does; a PlanError names the first bad field."""
+    out = dict(cfg)
+    for name, (required, most) in CONFIG_FIELDS.items():
+        value = cfg.get(name)
+        if value is None:
+            if required:
+                raise PlanError(f"{where}: the config lacks the decoder field {name}; a Llama-like config needs "
+                                "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads and vocab_size")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise PlanError(f"{where}: config field {name} = {shown}: must be an integer between 1 and {most}")
+    out["num_key_value_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    out["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if out["head_dim"] < 1:
+        raise PlanError(f"{where}: config field num_attention_heads = {cfg['num_attention_heads']} is more than "
+                        f"hidden_size = {cfg['hidden_size']} (no head_dim given)")
+    return out
+
+
 def _linear_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, int, bool]]:
-    """(in, out, bias) of each projection of one decoder layer of a Llama / Mistral / Qwen2 / Qwen3 config."""
-    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    hd = int(cfg.get("head_dim") or h // heads)
-    inter = int(cfg["intermediate_size"])
+    """(in, out, bias) of each projection of one decoder layer of a Llama / Mistral / Qwen2 / Qwen3
+    config that `decoder_shape` has checked."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg["num_key_value_heads"], cfg["head_dim"]
+    inter = cfg["intermediate_size"]
     kind = str(cfg.get("model_type", "llama"))
     qkv_bias = kind == "qwen2" or bool(cfg.get("attention_bias", False))
     o_bias = kind != "qwen2" and bool(cfg.get("attention_bias", False))
@@ -80,17 +124,13 @@ def _linear_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, int, bool]]:
             "down_proj": (inter, h, mlp_bias)}
 
 
-def decoder_tensors(cfg: Mapping[str, Any]) -> list[Tensor]:
+def decoder_tensors(cfg: Mapping[str, Any], where: str = "--model") -> list[Tensor]:
     """`LlamaForCausalLM(cfg).named_parameters()` (and Mistral, Qwen2, Qwen3) as the planner needs
     them: names in order, element counts, the input embedding flagged; a tied head is the
     embedding's own tensor, so it is not listed twice."""
-    try:
-        h, layers, vocab = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-        shapes = _linear_shapes(cfg)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PlanError(f"--model: the config lacks a decoder field ({exc}); a Llama-like config needs hidden_size, "
-                        "intermediate_size, num_hidden_layers, num_attention_heads and vocab_size") from None
-    hd = int(cfg.get("head_dim") or h // int(cfg["num_attention_heads"]))
+    cfg = decoder_shape(cfg, where)
+    h, layers, vocab, hd = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["head_dim"]
+    shapes = _linear_shapes(cfg)
     out = [Tensor("model.embed_tokens.weight", vocab * h, embedding=True)]
     for i in range(layers):
         pre = f"model.layers.{i}."
@@ -109,17 +149,18 @@ def decoder_tensors(cfg: Mapping[str, Any]) -> list[Tensor]:
     return out
 
 
-def lora_tensors(cfg: Mapping[str, Any], rank: int, targets: Sequence[str]) -> list[Tensor]:
+def lora_tensors(cfg: Mapping[str, Any], rank: int, targets: Sequence[str], where: str = "--model") -> list[Tensor]:
     """The adapters PEFT adds (`lora_A` [r, in], `lora_B` [out, r] per targeted projection), the only
     tensors a LoRA island syncs (yeto_plugins/torch_dist/modules.synced_parameters)."""
-    if rank < 1:
-        raise PlanError(f"--lora-r {rank}: the rank must be at least 1")
+    if not 1 <= rank <= MAX_LORA_RANK:
+        raise PlanError(f"--lora-r {rank}: the rank must be between 1 and {MAX_LORA_RANK}")
+    cfg = decoder_shape(cfg, where)
     shapes = _linear_shapes(cfg)
     unknown = [t for t in targets if t not in shapes]
     if unknown or not targets:
         raise PlanError(f"--lora-targets {','.join(targets)}: accepted: {', '.join(shapes)}")
     out = []
-    for i in range(int(cfg["num_hidden_layers"])):
+    for i in range(cfg["num_hidden_layers"]):
         for name in (*ATTENTION, *MLP):
             if name in targets:
                 part = "self_attn" if name in ATTENTION else "mlp"
@@ -130,47 +171,97 @@ def lora_tensors(cfg: Mapping[str, Any], rank: int, targets: Sequence[str]) -> l
     return out
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON): no tensor
-    data is read."""
+def _regular_file(path: Path, what: str) -> os.stat_result:
+    """`path`'s stat when it is a regular file (a FIFO or a device would block or never end)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise PlanError(f"--model {path}: cannot read {what} ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise PlanError(f"--model {path}: {what} is not a regular file")
+    return info
+
+
+def _json(raw: bytes) -> Any:
+    """`raw` as JSON, or None when it is not (bad UTF-8, bad syntax, nested past the recursion limit)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def safetensors_header(path: Path, limit: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int]:
+    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON) and its
+    length: no tensor data is read, and no header longer than `limit` bytes."""
+    _regular_file(path, "the safetensors file")
     try:
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise PlanError(f"--model {path}: not a safetensors file (shorter than its 8-byte header length)")
             (size,) = struct.unpack("<Q", head)
-            if size > MAX_HEADER_BYTES:
-                raise PlanError(f"--model {path}: a {size}-byte header is not a safetensors header")
+            if size > limit:
+                raise PlanError(f"--model {path}: a {size}-byte header is not a safetensors header this planner "
+                                f"reads (at most {MAX_HEADER_BYTES} bytes, all files together)")
             raw = f.read(size)
     except OSError as exc:
         raise PlanError(f"--model {path}: cannot read it ({exc.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
+    header = _json(raw)
     if not isinstance(header, dict) or len(raw) < size:
         raise PlanError(f"--model {path}: the safetensors header is not a JSON object")
-    return header
+    return header, size
+
+
+def _numel(name: str, info: Any) -> int:
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not isinstance(shape, list):
+        raise PlanError(f"--model: tensor {name!r} has no shape in the safetensors header")
+    if len(shape) > MAX_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise PlanError(f"--model: tensor {name!r} has the shape {str(shape)[:40]}: at most {MAX_DIMS} dimensions, "
+                        "each an integer >= 0")
+    numel = math.prod(shape)
+    if numel > MAX_NUMEL:
+        raise PlanError(f"--model: tensor {name!r} of shape {shape} has more than {MAX_NUMEL} elements")
+    return numel
 
 
 def checkpoint_tensors(headers: Sequence[dict[str, Any]]) -> tuple[list[Tensor], int]:
     """The tensors a checkpoint's islands would sync, and all its parameters. A yeto syncer
     checkpoint (`param/<name>`, `momentum/<name>`) counts its params once; LoRA adapter tensors
     (names with `lora_`) are all that sync when present, as with `tuning auto`."""
-    entries: list[tuple[str, int]] = []
-    for header in headers:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
-                raise PlanError(f"--model: tensor {name!r} has no shape in the safetensors header")
-            entries.append((name, math.prod(int(d) for d in info["shape"])))
+    count = sum(len(h) for h in headers)
+    if count > 2 * MAX_TENSORS + len(headers):  # a syncer checkpoint lists each tensor twice, plus metadata
+        raise PlanError(f"--model: {count} tensors in the safetensors headers; at most {MAX_TENSORS} synced tensors "
+                        "are planned for")
+    entries = [(name, _numel(name, info)) for header in headers for name, info in header.items()
+               if name != "__metadata__"]
     if entries and all(n.startswith(("param/", "momentum/")) for n, _ in entries):
         entries = [(n.removeprefix("param/"), k) for n, k in entries if n.startswith("param/")]
     total = sum(k for _, k in entries)
     adapters = [(n, k) for n, k in entries if "lora_" in n]
     synced = adapters or entries
+    if len(synced) > MAX_TENSORS:
+        raise PlanError(f"--model: {len(synced)} synced tensors; at most {MAX_TENSORS} are planned for")
     return [Tensor(n, k, embedding=not adapters and n.endswith(EMBEDDING_SUFFIXES)) for n, k in synced], total
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The decoder's config of an HF config dir: its config.json (or that file's `text_config`)."""
+    info = _regular_file(path / "config.json", "config.json")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise PlanError(f"--model {path}: config.json is {info.st_size} bytes; an HF config is at most "
+                        f"{MAX_CONFIG_BYTES}")
+    try:
+        raw = (path / "config.json").read_bytes()[:MAX_CONFIG_BYTES + 1]
+    except OSError as exc:
+        raise PlanError(f"--model {path}: cannot read config.json ({exc.strerror})") from None
+    cfg = _json(raw) if len(raw) <= MAX_CONFIG_BYTES else None
+    if cfg is None:
+        raise PlanError(f"--model {path}: config.json is not readable JSON")
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
+    if not isinstance(cfg, dict):
+        raise PlanError(f"--model {path}: config.json is not a JSON object")
+    return cfg
 
 
 def load_model(model: str | None, preset: str | None, lora_r: int, lora_targets: Sequence[str]) -> Model:
@@ -178,34 +269,34 @@ def load_model(model: str | None, preset: str | None, lora_r: int, lora_targets:
         raise PlanError("give exactly one of --model DIR_OR_FILE and --preset 7b|70b")
     if preset is not None:
         cfg, name = PRESETS[preset], PRESET_NAMES[preset]
-        return _from_config(cfg, name, lora_r, lora_targets)
+        return _from_config(cfg, name, lora_r, lora_targets, "--preset")
     assert model is not None
     path = Path(model)
-    if path.is_dir() and (path / "config.json").is_file():
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlanError(f"--model {path}: config.json is not readable JSON ({exc})") from None
-        cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
-        if not isinstance(cfg, dict):
-            raise PlanError(f"--model {path}: config.json is not a JSON object")
-        return _from_config(cfg, str(path.name or path), lora_r, lora_targets)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if path.is_dir() and (path / "config.json").exists():
+        return _from_config(read_config(path), str(path.name or path), lora_r, lora_targets, f"--model {path}")
+    files = sorted(itertools.islice(path.glob("*.safetensors"), MAX_FILES + 1)) if path.is_dir() else [path]
     if not files or not files[0].exists():
         raise PlanError(f"--model {path}: neither a config dir (config.json) nor a .safetensors file or dir")
+    if len(files) > MAX_FILES:
+        raise PlanError(f"--model {path}: more than {MAX_FILES} .safetensors files")
     if lora_r:
         raise PlanError("--lora-r: a checkpoint's LoRA tensors are read from it; give --lora-r with a config only")
-    tensors, total = checkpoint_tensors([safetensors_header(f) for f in files])
+    headers, budget = [], MAX_HEADER_BYTES
+    for f in files:
+        header, size = safetensors_header(f, budget)
+        headers.append(header)
+        budget -= size
+    tensors, total = checkpoint_tensors(headers)
     tuning = "lora" if any("lora_" in t.name for t in tensors) else "full"
     return Model(path.name, tuple(tensors), total, tuning)
 
 
-def _from_config(cfg: Mapping[str, Any], name: str, lora_r: int, targets: Sequence[str]) -> Model:
-    full = decoder_tensors(cfg)
+def _from_config(cfg: Mapping[str, Any], name: str, lora_r: int, targets: Sequence[str], where: str) -> Model:
+    full = decoder_tensors(cfg, where)
     total = sum(t.numel for t in full)
     if not lora_r:
         return Model(name, tuple(full), total)
-    adapters = lora_tensors(cfg, lora_r, targets)
+    adapters = lora_tensors(cfg, lora_r, targets, where)
     return Model(f"{name} + LoRA r={lora_r} on {','.join(targets)}", tuple(adapters),
                  total + sum(t.numel for t in adapters), "lora")
 
@@ -213,10 +304,12 @@ def _from_config(cfg: Mapping[str, Any], name: str, lora_r: int, targets: Sequen
 # ---- islands and the host ---------------------------------------------------------------------------
 
 
-def per_island(flag: str, text: str | None, islands: int) -> list[float] | None:
-    """`--flag 100` for every island, or `--flag 100,50,20,20` one per island."""
+def per_island(flag: str, text: str | None, islands: int, most: float = 1e9) -> list[float] | None:
+    """`--flag 100` for every island, or `--flag 100,50,20,20` one per island; each in (0, most]."""
     if text is None:
         return None
+    if text.count(",") >= islands:  # counted before anything is made of each
+        raise PlanError(f"{flag}: {text.count(',') + 1} values for --islands {islands}")
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
@@ -226,8 +319,8 @@ def per_island(flag: str, text: str | None, islands: int) -> list[float] | None:
     if len(values) != islands:
         raise PlanError(f"{flag} {text!r}: {len(values)} values for --islands {islands}")
     for j, v in enumerate(values):
-        if not (v > 0 and math.isfinite(v)):
-            raise PlanError(f"{flag} {text!r}: island {j}'s value {v:g} must be a finite number > 0")
+        if not 0 < v <= most:
+            raise PlanError(f"{flag} {text!r}: island {j}'s value {v:g} must be a finite number > 0 and <= {most:g}")
     return values
 
 
@@ -257,19 +350,45 @@ def probe_link(address: str, key_file: Path, mib: int) -> tuple[float, float]:
     return result.up_mbps, result.down_mbps
 
 
+# Every numeric flag's bounds (attribute, lowest, highest, lowest excluded), checked before anything is
+# sized by it; an unset one (None) passes. Rates go up to a Pbit/s or a PB/s, delays to days.
+NUMBER_FLAGS: tuple[tuple[str, float, float, bool], ...] = (
+    ("islands", 1, MAX_ISLANDS, False), ("quorum", 0, MAX_ISLANDS, False), ("lora_r", 0, MAX_LORA_RANK, False),
+    ("tokens_per_step", 0, 1e12, True), ("probe_mib", 1, MAX_PROBE_MIB, False), ("rtt_ms", 0, 1e8, False),
+    ("queue_ms", 0, 1e8, False), ("tcp_efficiency", 0, 1, True), ("syncer_mbps", 0, 1e9, True),
+    ("syncer_memory_gib", 0, 1 << 30, True), ("merge_gbps", 0, 1e6, True), ("checkpoint_every", 0, 1e12, False),
+    ("checkpoint_gbps", 0, 1e6, True), ("h", 1, MAX_INTERVAL, False), ("fragments", 1, MAX_FRAGMENTS, False),
+    ("pipeline", 1, MAX_FRAGMENTS, False), ("push_block", 1, MAX_BLOCK, False),
+    ("target_utilization", 0, 1, True), ("min_h", 1, MAX_INTERVAL, False), ("max_h", 1, MAX_INTERVAL, False),
+    ("steps", 1, 1e15, False),
+)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """One PlanError naming the first numeric flag out of its bounds (NUMBER_FLAGS)."""
+    for attr, lo, hi, open_low in NUMBER_FLAGS:
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if not (lo < value <= hi if open_low else lo <= value <= hi):  # NaN fails both
+            where = f"in ({_number(lo)}, {_number(hi)}]" if open_low else f"between {_number(lo)} and {_number(hi)}"
+            raise PlanError(f"--{attr.replace('_', '-')} {_number(value)}: must be {where}")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else f"{value:g}"
+
+
 def build_setup(args: argparse.Namespace) -> Setup:
+    check_flags(args)
     m = args.islands
-    if m < 1:
-        raise PlanError(f"--islands {m}: at least one island is needed")
     model = load_model(args.model, args.preset, args.lora_r, args.lora_targets.split(","))
-    steps = per_island("--step-s", args.step_s, m)
+    steps = per_island("--step-s", args.step_s, m, most=1e6)
     if steps is None:
         raise PlanError("--step-s: each island's optimizer step time is needed (one value, or one per island)")
     up = per_island("--up-mbps", args.up_mbps, m)
     down = per_island("--down-mbps", args.down_mbps, m)
     eff = args.tcp_efficiency
-    if not 0 < eff <= 1:
-        raise PlanError(f"--tcp-efficiency {eff:g}: must be in (0, 1]")
     measured: tuple[float, float] | None = None
     if up is None or down is None:
         if args.probe is None:
@@ -281,8 +400,6 @@ def build_setup(args: argparse.Namespace) -> Setup:
     # Given rates are line rates (TCP/IP headers ride on them); probed ones are already goodput.
     ups = [v * 1e6 / 8 * eff for v in up] if up else [measured[0] * 1e6 / 8 for _ in range(m)]  # type: ignore[index]
     downs = [v * 1e6 / 8 * eff for v in down] if down else [measured[1] * 1e6 / 8 for _ in range(m)]  # type: ignore[index]
-    if args.syncer_mbps is not None and not args.syncer_mbps > 0:
-        raise PlanError(f"--syncer-mbps {args.syncer_mbps:g}: the syncer's link rate must be > 0")
     memory = args.syncer_memory_gib * GIB if args.syncer_memory_gib is not None else host_memory_bytes()
     link = args.syncer_mbps * 1e6 / 8 * eff if args.syncer_mbps else None
     host = SyncerHost(memory_bytes=memory, link_in_bps=link, link_out_bps=link,
@@ -291,8 +408,6 @@ def build_setup(args: argparse.Namespace) -> Setup:
                       delayed_nesterov=args.delayed_nesterov)
     quorum = args.quorum or m
     islands = tuple(Island(u, d, s) for u, d, s in zip(ups, downs, steps, strict=True))
-    if args.rtt_ms < 0 or args.queue_ms < 0:
-        raise PlanError(f"--rtt-ms {args.rtt_ms:g}, --queue-ms {args.queue_ms:g}: delays cannot be negative")
     setup = Setup(model, islands, quorum, host, pattern=args.pattern, block=args.push_block, rtt_s=args.rtt_ms / 1000,
                   queue_s=args.queue_ms / 1000, tcp_efficiency=eff)
     args.measured = measured  # printed with the plan
@@ -303,8 +418,6 @@ def build_search(args: argparse.Namespace) -> Search:
     def pinned(value: Any, default: tuple[Any, ...]) -> tuple[Any, ...]:
         return default if value is None else (value,)
 
-    if args.target_utilization is not None and not 0 < args.target_utilization <= 1:
-        raise PlanError(f"--target-utilization {args.target_utilization:g}: must be in (0, 1]")
     return Search(target_utilization=args.target_utilization, min_interval=args.min_h, max_interval=args.max_h,
                   codecs=pinned(args.codec, PUSH_CODECS), downlinks=pinned(args.downlink, DOWNLINKS),
                   fragments=pinned(args.fragments, Search.fragments), pipelines=pinned(args.pipeline, Search.pipelines),
@@ -425,7 +538,7 @@ def as_json(setup: Setup, rec: Recommendation | None, pred: Prediction | None) -
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="yeto-plan", description=__doc__.split("\n\n")[0],
+    p = ToolParser(prog="yeto-plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     what = p.add_argument_group("the model")
     what.add_argument("--model", help="an HF config dir (config.json), a .safetensors file, or a dir of them")
@@ -494,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         rec = recommend(setup, search)
     except PlanError as exc:
-        print(f"yeto-plan: {exc}", file=sys.stderr)
+        print(one_line(f"yeto-plan: {exc}"), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(as_json(setup, rec, None), indent=1))

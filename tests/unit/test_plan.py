@@ -358,6 +358,9 @@ def test_cli_counts_a_syncer_checkpoint_once(tmp_path: Path, capsys: pytest.Capt
     (["--preset", "7b", "--step-s", "1"], "--up-mbps/--down-mbps: give the islands' rates, or --probe"),
     (["--preset", "7b", "--up-mbps", "1000", "--down-mbps", "1000", "--step-s", "1", "--syncer-memory-gib", "500",
       "--max-h", "64"], "--max-h 64: no plan reaches utilization 0.95"),
+    *[(["--preset", "7b", "--up-mbps", "100", "--down-mbps", "100", "--step-s", "1", *flag], flag[0]) for flag in (
+        ["--quorum", "-1"], ["--queue-ms", "-1"], ["--tcp-efficiency", "1.5"], ["--syncer-mbps", "0"],
+        ["--target-utilization", "nan"], ["--step-s", "inf"], ["--steps", "0"])],
 ])
 def test_cli_refusals_are_one_line_and_exit_2(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:

@@ -38,10 +38,11 @@ COMMIT = {"event": "commit", "round": 0, "fragment": 0, "version": 1, "t": 2.0, 
 
 @pytest.mark.parametrize(("lines", "says"), [
     (['{"event": "join", "t": 1.0}', "not json", json.dumps(COMMIT)], "line 2 is corrupt"),
+    (["[1, 2]", json.dumps(COMMIT)], "line 1 is corrupt: expected a JSON object, got list"),
     (['{"step": 3, "loss": 2.5}'], "is not a yeto event tape"),
     (['{"event": "join", "learner": 0, "t": 1.0}'], "holds no committed round yet"),
     ([], "holds no committed round yet"),
-], ids=["corrupt", "foreign", "no-commit", "empty"])
+], ids=["corrupt", "list", "foreign", "no-commit", "empty"])
 def test_a_tape_that_cannot_be_plotted_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                    lines: list[str], says: str) -> None:
     assert main([str(write(tmp_path / "tape.jsonl", lines)), "--out", str(tmp_path / "plots")]) == 2
