@@ -5,6 +5,7 @@ process that read its settings and stopped (DESIGN §1.6)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ def drop_flag(argv: list[str], flag: str) -> list[str]:
     return argv[:at] + argv[at + 2:]
 
 
-def cases(key_file: Path, tmp_path: Path) -> list[tuple[str, list[str], dict[str, str], str, str]]:
+def cases(key_file: Path, tmp_path: Path, taken_port: int) -> list[tuple[str, list[str], dict[str, str], str, str]]:
     """(case, argv, environment, the name the line must carry, a word of what it says)."""
     plain = syncer_argv(key_file=key_file)
     keyless = syncer_argv(key_file=None)
@@ -60,6 +61,10 @@ def cases(key_file: Path, tmp_path: Path) -> list[tuple[str, list[str], dict[str
          "YETO_SYNCER_CHECKPOINT", "not a directory"),
         ("checkpoint a directory", plain, {"YETO_SYNCER_CHECKPOINT": str(tmp_path)}, "YETO_SYNCER_CHECKPOINT",
          "is a directory"),
+        ("port taken", [*drop_flag(plain, "--port"), "--port", str(taken_port)], {}, "--port", "in use"),
+        ("web port taken", [*plain, "--metrics-port", str(taken_port)], {}, "--metrics-port", "in use"),
+        ("host not of this machine", [*drop_flag(plain, "--host"), "--host", "192.0.2.1"], {}, "--host",
+         "cannot listen"),
         ("misspelt prefix", plain, {"YETO_SYNCR_QUORUM": "1"}, "YETO_SYNCR_QUORUM", "YETO_SYNCER_QUORUM"),
     ]
 
@@ -68,8 +73,9 @@ def cases(key_file: Path, tmp_path: Path) -> list[tuple[str, list[str], dict[str
 def test_absurd_values_stop_the_syncer_with_one_line_and_little_memory(key_file: Path, tmp_path: Path) -> None:
     if "cuda" in sys.modules or os.path.exists("/dev/nvidia0"):
         pytest.skip("the CUDA cases assume a machine without CUDA")
+    taken = socket.create_server(("127.0.0.1", 0))  # a port another program listens on
     started = []
-    for case, argv, env, name, word in cases(key_file, tmp_path):
+    for case, argv, env, name, word in cases(key_file, tmp_path, taken.getsockname()[1]):
         proc = subprocess.Popen(argv, env=base_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=tmp_path, text=True)
         started.append((case, proc, name, word))
@@ -94,6 +100,7 @@ def test_absurd_values_stop_the_syncer_with_one_line_and_little_memory(key_file:
             assert "listening" not in out, f"{case}: it started\n{out}"
             assert rss_mb < RSS_CAP_MB, f"{case}: peak RSS {rss_mb:.0f} MB"
     finally:
+        taken.close()
         for _, proc, _, _ in started:
             if proc.poll() is None and proc.returncode is None:
                 proc.kill()
