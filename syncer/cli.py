@@ -115,15 +115,16 @@ def check_output_path(path: Path | None, setting: str) -> None:
         raise SettingsError(f"{setting}={path}: not a regular file")
 
 
-def check_listen(host: str, port: int, host_setting: str, port_setting: str) -> None:
+def check_listen(what: str, host: str, port: int, host_setting: str, port_setting: str) -> None:
     """Bind host:port once and let go, so that a busy port or a foreign address is one line before
     anything starts (the iso workers, a resume's load); the real bind comes later and still reports
-    a port taken in between."""
+    a port taken in between. `what`: the line's opening ("cannot listen on")."""
     try:
         socket.create_server((host, port)).close()
     except OSError as exc:
         blame = host_setting if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL else port_setting
-        raise SettingsError(f"{blame}: cannot listen on {host}:{port}: {exc.strerror}") from None
+        why = os.strerror(exc.errno) if exc.errno and not isinstance(exc, socket.gaierror) else exc.strerror
+        raise SettingsError(f"{what} {host}:{port} ({blame}): {why}") from None
 
 
 def given_as(args: argparse.Namespace, setting: str) -> str:
@@ -201,10 +202,10 @@ def run_syncer(argv: list[str] | None, run_lock: RunLock) -> int:
         device = resolve_device(settings.device, given_as(args, "device"))
         for worker_device in settings.iso_devices:
             resolve_device(worker_device, given_as(args, "iso_worker_devices"))
-        check_listen(settings.host, settings.port, given_as(args, "host"), given_as(args, "port"))
+        check_listen("cannot listen on", settings.host, settings.port, given_as(args, "host"), given_as(args, "port"))
         if settings.metrics_port is not None:
-            check_listen(settings.metrics_host, settings.metrics_port, given_as(args, "metrics_host"),
-                         given_as(args, "metrics_port"))
+            check_listen("cannot serve metrics on", settings.metrics_host, settings.metrics_port,
+                         given_as(args, "metrics_host"), given_as(args, "metrics_port"))
         for setting, path in (("checkpoint", settings.checkpoint), ("tape", settings.tape)):
             if path is not None:  # before anything reads or writes it: one syncer per path
                 run_lock.acquire(given_as(args, setting), path)
