@@ -18,7 +18,6 @@ import contextlib
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -38,89 +37,12 @@ from conftest import (
     wait_all,
     wait_until,
 )
+from crowd import Crowd
 
 pytestmark = pytest.mark.integration
 
 DESCRIPTORS = 64
 DEADLINE_S = 3.0
-
-
-class Crowd:
-    """`size` connections that never finish a handshake: each sends one byte a second (never a
-    whole frame header) and is reopened when the syncer cuts it. Bounded in total connections."""
-
-    def __init__(self, port: int, size: int, *, source: str = "127.0.0.1", trickle: bool = True,
-                 max_connections: int = 20_000) -> None:
-        self.port = port
-        self.source = source
-        self.size = size
-        self.trickle = trickle
-        self.max_connections = max_connections
-        self.opened = 0
-        self.cut = 0
-        self._socks: list[tuple[socket.socket, float] | None] = [None] * size
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="slowloris", daemon=True)
-
-    def __enter__(self) -> Crowd:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        for entry in self._socks:
-            if entry is not None:
-                entry[0].close()
-
-    def open_now(self) -> int:
-        return sum(entry is not None for entry in self._socks)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            now = time.monotonic()
-            budget = 20  # new connections per pass: 200 a second at most
-            for i, entry in enumerate(self._socks):
-                if entry is None:
-                    if self.opened >= self.max_connections or budget <= 0:
-                        continue
-                    budget -= 1
-                    try:
-                        sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.5,
-                                                        source_address=(self.source, 0))
-                    except OSError:
-                        continue
-                    sock.setblocking(False)
-                    self.opened += 1
-                    self._socks[i] = (sock, now)
-                    continue
-                sock, last = entry
-                if self._gone(sock):
-                    sock.close()
-                    self.cut += 1
-                    self._socks[i] = None
-                elif self.trickle and now - last >= 1.0:
-                    try:
-                        sock.send(b"\x00")
-                        self._socks[i] = (sock, now)
-                    except OSError:
-                        sock.close()
-                        self.cut += 1
-                        self._socks[i] = None
-            self._stop.wait(0.1)
-
-    @staticmethod
-    def _gone(sock: socket.socket) -> bool:
-        """EOF or reset from the syncer (its CHALLENGE and anything else is read and dropped)."""
-        try:
-            while True:
-                data = sock.recv(65536)
-                if not data:
-                    return True
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
 
 
 def open_descriptors(pid: int) -> int:

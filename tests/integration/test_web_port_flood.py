@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Island, Procs, Syncer, start_syncer, syncer_exit_code, wait_until
+from crowd import Crowd
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
@@ -34,78 +34,8 @@ URL_LINE = re.compile(r"^yeto syncer metrics on http://([^:/\s]+):(\d+)/metrics$
 DESCRIPTORS = 128
 CROWD = 200
 ROUNDS = 8
-
-
-class TricklingCrowd:
-    """`size` connections to `port`, each sending one byte of an endless HTTP head a second and
-    reopened when the server cuts it. Connections the server has not accepted yet complete in
-    its kernel backlog, so they count as open here."""
-
-    def __init__(self, port: int, size: int) -> None:
-        self.port = port
-        self.opened = 0
-        self.cut = 0
-        self._socks: list[tuple[socket.socket, float, int] | None] = [None] * size
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="web-crowd", daemon=True)
-
-    def __enter__(self) -> TricklingCrowd:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        for entry in self._socks:
-            if entry is not None:
-                entry[0].close()
-
-    def open_now(self) -> int:
-        return sum(entry is not None for entry in self._socks)
-
-    def _run(self) -> None:
-        head = b"GET /status.json HTTP/1.1\r\nHost: localhost\r\nX-Trickle: " + b"a" * 100_000
-        while not self._stop.is_set():
-            now = time.monotonic()
-            budget = 40  # new connections per pass
-            for i, entry in enumerate(self._socks):
-                if entry is None:
-                    if budget <= 0:
-                        continue
-                    budget -= 1
-                    try:
-                        sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
-                    except OSError:
-                        continue
-                    sock.setblocking(False)
-                    self.opened += 1
-                    self._socks[i] = (sock, now - 1.0, 0)
-                    continue
-                sock, last, sent = entry
-                if self._gone(sock):
-                    sock.close()
-                    self.cut += 1
-                    self._socks[i] = None
-                elif now - last >= 1.0:
-                    try:
-                        sock.send(head[sent:sent + 1])
-                        self._socks[i] = (sock, now, sent + 1)
-                    except OSError:
-                        sock.close()
-                        self.cut += 1
-                        self._socks[i] = None
-            self._stop.wait(0.1)
-
-    @staticmethod
-    def _gone(sock: socket.socket) -> bool:
-        try:
-            while True:
-                if not sock.recv(65536):
-                    return True
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+# An HTTP head that never ends, sent a byte a second by each of the crowd.
+TRICKLED_HEAD = b"GET /status.json HTTP/1.1\r\nHost: localhost\r\nX-Trickle: " + b"a" * 100_000
 
 
 def proc_figures(pid: int) -> tuple[int, int, float]:
@@ -140,7 +70,7 @@ def test_a_trickling_crowd_at_the_web_port_stops_nothing(procs: Procs, key_file:
     descriptors, threads, _ = proc_figures(pid)
     island = Island(syncer, key_file, 0)
     try:
-        with TricklingCrowd(port, CROWD) as crowd:
+        with Crowd(port, CROWD, trickle=TRICKLED_HEAD, per_pass=40) as crowd:
             # More than the syncer's descriptors: a server that accepted them all would run out.
             wait_until(lambda: crowd.opened >= DESCRIPTORS + 8, 30, "the crowd at the web port",
                        on_timeout=syncer.proc.tail)
