@@ -142,7 +142,7 @@ def commits_between(tape: Path, t0: float, t1: float) -> list[dict[str, Any]]:
 def case_main(args: argparse.Namespace, workdir: Path, cal: Calibration) -> list[Row]:
     from benchmarks.procs import stop
     from syncer.plan import Choice, Island, Model, Setup, SyncerHost, fragment_params, predict
-    from syncer.plan_cli import decoder_tensors
+    from syncer.plan_model import decoder_tensors
     from syncer.tape import read_tape
 
     spec = importlib.util.spec_from_file_location("main_job", ROOT / "examples" / "main_job.py")
@@ -421,7 +421,7 @@ def netns_arm(codec: str, downlink: str, seconds: float, workdir: Path, cal: Cal
     from safetensors.torch import save_file
 
     from syncer.plan import Choice, Island, Setup, SyncerHost, fragment_params, predict
-    from syncer.plan_cli import load_model
+    from syncer.plan_model import load_model
 
     rate, h, fragments, period = "20mbit", 8, 4, 0.02
     keys = key_file(workdir)

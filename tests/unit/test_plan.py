@@ -32,7 +32,8 @@ from syncer.plan import (
     push_wire_bytes,
     recommend,
 )
-from syncer.plan_cli import PRESETS, decoder_tensors, lora_tensors, main
+from syncer.plan_cli import main
+from syncer.plan_model import PRESETS, decoder_tensors, lora_tensors
 from yeto_core.codecs import codec_by_name
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import CHUNK_HEADER, HEADER, Bcast, Pull, Push, encode_frame

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from peak_rss import run_measured
 
-from syncer import plan, plan_cli
+from syncer import plan, plan_model
 from syncer.plan_cli import MAX_PROBE_MIB, main
 from yeto_core import quant
 from yeto_core.wire.messages import MAX_PROBE_BYTES
@@ -122,7 +122,7 @@ def test_a_bad_safetensors_header_is_one_line(tmp_path: Path, capsys: pytest.Cap
 
 def test_too_many_tensors_are_refused_before_they_are_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_cli, "MAX_TENSORS", 100)  # the bound is 2^18; the check is the same
+    monkeypatch.setattr(plan_model, "MAX_TENSORS", 100)  # the bound is 2^18; the check is the same
     model = safetensors(tmp_path / "model.safetensors", {f"t{i}": {"shape": [1]} for i in range(300)})
     refused(capsys, ["--model", str(model), *LINKS], "300 tensors in the safetensors headers; at most 100")
 
