@@ -3,6 +3,8 @@
     python -m benchmarks.compare_diloco                     # 23 arms, 3 seeds (~26 min on 2 cores)
     python -m benchmarks.compare_diloco --quick             # dp, alone, yeto-default, one seed (~1.5 min)
     python -m benchmarks.compare_diloco --arms yeto-default,previous-defaults --model main
+    python -m benchmarks.compare_diloco --matrix                 # every cell of diloco_matrix.py
+    python -m benchmarks.compare_diloco --cells '*-h24-m2'       # the matrix's cells matching a glob
 
 Every arm trains the same model from the same seeded initial weights for the same number of
 optimizer steps (`diloco_arm.py` says exactly how), so arms with M islands of batch b and the
@@ -23,6 +25,11 @@ ratio to its group's `dp`, and how much of the `alone`−`dp` gap it closes; the
 their verdicts. It writes `compare_diloco.json` (every run, its loss curve, the summary) and
 `compare_diloco.png` (held-out loss against tokens trained, and its ratio to `dp` at the same
 step, mean over seeds) to `--out`.
+
+`--matrix` (or `--cells`, a part of it) runs the cells of `diloco_matrix.py` instead: two model
+families, two texts, two schedules, H = 24 and 96, M = 2, 4 and 8, a slow island; every yeto
+cell both lockstep and unpaced. It prints one row per cell and yeto arm with its goal, and writes
+`compare_diloco.json` and `compare_diloco_matrix.png`.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -37,11 +45,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import diloco_matrix
 from benchmarks.diloco_arm import Arm, Shape
+from benchmarks.diloco_data import CORPORA, FAMILIES, SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,8 +123,8 @@ GOALS = [
 GAP_GOAL = 0.8  # yeto-default closes at least this share of the alone−dp gap
 
 
-def group_of(arm: Arm) -> tuple[int, bool]:
-    return arm.learners, arm.lora
+def group_of(arm: Arm) -> tuple[str, int, bool]:
+    return arm.cell, arm.learners, arm.lora
 
 
 def baselines(arm: Arm, arms: dict[str, Arm]) -> tuple[str | None, str | None]:
@@ -133,7 +143,8 @@ def effective(arm: Arm) -> tuple[Any, ...]:
     fields = SyncerSettings.model_fields
     syncer = sorted((k, v) for k, v in flags.items() if v is not None and k in fields and v != fields[k].default)
     learner = sorted((k, v) for k, v in arm.learner.items() if v != LearnerSettings.model_fields[k].default)
-    return arm.kind, arm.learners, arm.lora, tuple(syncer), tuple(learner)
+    shape = (arm.cell, arm.unpaced, arm.slow, arm.lockstep_threads, arm.shards)
+    return arm.kind, arm.learners, arm.lora, shape, tuple(syncer), tuple(learner)
 
 
 def same_as(arms: Sequence[Arm]) -> dict[str, str]:
@@ -149,11 +160,12 @@ def same_as(arms: Sequence[Arm]) -> dict[str, str]:
     return alias
 
 
-def cost(arm: Arm) -> float:
+def cost(arm: Arm, shape: Shape) -> float:
     """Relative compute of one run, to start the longest first."""
     islands = arm.learners if arm.kind != "alone" else 1
-    steps_per_round = max(1, int(arm.learner.get("sync_interval", 24)) // 4)
-    return islands * (1.0 + (0.3 if arm.kind == "yeto" else 0.0) + 0.2 / steps_per_round) * (0.7 if arm.lora else 1)
+    steps_per_round = max(1, int(arm.learner.get("sync_interval", shape.h)) // 4)
+    per_step = islands * (1.0 + (0.3 if arm.kind == "yeto" else 0.0) + 0.2 / steps_per_round)
+    return per_step * shape.steps * (0.7 if arm.lora else 1) * (arm.slow if arm.lockstep_threads else 1)
 
 
 def run_job(arm: Arm, shape: Shape, seeds: list[int], workdir: Path, timeout_s: float) -> list[dict[str, Any]]:
@@ -260,7 +272,7 @@ def plot(path: Path, arms: dict[str, Arm], runs: dict[str, list[dict[str, Any]]]
                 steps = [t / per_step for t in tokens[1:]]
                 bottom.plot(steps, [x / r for x, r in zip(losses[1:], reference[1:], strict=True)], label=name,
                             **style)
-        m, lora = group
+        _, m, lora = group
         kind = f"M={m}{' LoRA' if lora else ''}"
         top.set_title(f"{kind}: held-out loss of the global model")
         top.set_xlabel("tokens trained, all islands (millions)")
@@ -283,47 +295,118 @@ def plot(path: Path, arms: dict[str, Arm], runs: dict[str, list[dict[str, Any]]]
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"one seed, arms {', '.join(QUICK)}")
     p.add_argument("--arms", help="comma-separated arms to run (default: all but final-flush and "
                    "previous-defaults); a yeto arm brings its dp and alone")
+    p.add_argument("--matrix", action="store_true", help="every cell of the matrix (diloco_matrix.py)")
+    p.add_argument("--cells", help="comma-separated globs of matrix cells to run, e.g. 'gpt2-*-h24-m2'")
     p.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick 1)")
     p.add_argument("--model", choices=sorted(MODELS), default="bench",
                    help="bench: 128x2 Llama, seq 64 (default); main: the main job's 128x4 Llama, seq 128")
-    p.add_argument("--steps", type=int, help="optimizer steps of every arm (default 288)")
+    p.add_argument("--family", choices=FAMILIES, help="model family of the arms (default llama; not with the matrix)")
+    p.add_argument("--corpus", choices=CORPORA, help="text of the arms (default help; not with the matrix)")
+    p.add_argument("--schedule", choices=SCHEDULES, help="learning-rate schedule (default constant; not with the "
+                   "matrix)")
+    p.add_argument("--steps", type=int, help="optimizer steps of every arm (default 288; the matrix doubles it "
+                   "for its M = 4, M = 8 and H = 96 cells)")
     p.add_argument("--lr", type=float, help="inner learning rate of every arm (default: the model's)")
+    p.add_argument("--syncer-flags", default="", help="syncer flags added to every yeto arm, e.g. "
+                   "'--outer-lr 0.7' (to measure a candidate default across cells)")
+    p.add_argument("--learner-settings", default="", help="learner settings added to every yeto arm, as "
+                   "NAME=VALUE,... with JSON values, e.g. 'merge_alpha=0.5,overlap=false'")
+    p.add_argument("--baselines", type=Path, help="a compare_diloco.json whose dp and alone runs of the same "
+                   "arms, shapes and seeds are taken instead of trained again")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at once (default 2)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "compare-diloco", help="result directory")
     p.add_argument("--timeout", type=float, default=1800, help="deadline of one run in seconds")
     args = p.parse_args(argv)
+    matrix = args.matrix or args.cells
+    if matrix and (args.arms or args.quick or args.family or args.corpus or args.schedule):
+        p.error("--matrix/--cells choose their own arms, families, texts and schedules")
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be at least 1, not {args.steps}")
+    try:
+        args.learner_extra = {k.strip(): json.loads(v) for k, v in (
+            pair.split("=", 1) for pair in args.learner_settings.split(",") if pair.strip())}
+    except ValueError:
+        p.error(f"--learner-settings {args.learner_settings!r}: want NAME=VALUE,... with JSON values")
+    from yeto_core.settings import LearnerSettings
 
-    shape = MODELS[args.model]
-    if args.steps or args.lr:
-        shape = Shape(**{**asdict(shape), "steps": args.steps or shape.steps, "lr": args.lr or shape.lr})
+    unknown_settings = sorted(set(args.learner_extra) - set(LearnerSettings.model_fields))
+    if unknown_settings:
+        p.error(f"--learner-settings: unknown learner settings {unknown_settings}")
+    if args.baselines is not None and not args.baselines.is_file():
+        p.error(f"--baselines {args.baselines}: no such file")
+    if matrix:
+        try:
+            args.picked_cells = diloco_matrix.pick(args.cells)
+        except ValueError as exc:
+            p.error(str(exc))
+    else:
+        args.picked_cells = None
+        known = {a.name for a in ARMS}
+        wanted = QUICK if args.quick else (args.arms.split(",") if args.arms else [])
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            p.error(f"unknown arms {unknown}; known: {', '.join(known)}")
+    return args
+
+
+def select(args: argparse.Namespace, base: Shape) -> tuple[dict[str, Arm], dict[str, Shape]]:
+    """The arms to train (each with its dp and alone, every yeto arm with the extra settings) and the
+    shape each trains at."""
+    arms, shapes = _select(args, base)
+    extra = shlex.split(args.syncer_flags)
+    for name, arm in arms.items():
+        if arm.kind == "yeto" and (extra or args.learner_extra):
+            arms[name] = replace(arm, syncer=[*arm.syncer, *extra], learner={**arm.learner, **args.learner_extra})
+    return arms, shapes
+
+
+Runs = dict[str, list[dict[str, Any]]]  # arm name -> its runs, one per seed
+
+
+def reused(path: Path, arms: dict[str, Arm], shapes: dict[str, Shape], seeds: list[int]) -> Runs:
+    """The dp and alone runs of an earlier result that trained the same arm at the same shape, for
+    every seed asked (an arm missing a seed is trained again)."""
+    earlier = json.loads(path.read_text())
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, arm in arms.items():
+        if arm.kind == "yeto" or earlier.get("shapes", {}).get(name) != asdict(shapes[name]):
+            continue
+        if earlier.get("arms", {}).get(name) != asdict(arm):
+            continue
+        got = {r["seed"]: r for r in earlier.get("runs", {}).get(name, [])}
+        if all(seed in got for seed in seeds):
+            out[name] = [got[seed] for seed in seeds]
+    return out
+
+
+def _select(args: argparse.Namespace, base: Shape) -> tuple[dict[str, Arm], dict[str, Shape]]:
+    if args.picked_cells is not None:
+        arms = {a.name: a for cell in args.picked_cells for a in cell.arms()}
+        shapes = {a.name: cell.shape(base) for cell in args.picked_cells for a in cell.arms()}
+        return arms, shapes
     known = {a.name: a for a in ARMS}
     wanted = QUICK if args.quick else (args.arms.split(",") if args.arms else
                                        [a.name for a in ARMS if a.in_default_run])
-    unknown = [w for w in wanted if w not in known]
-    if unknown:
-        p.error(f"unknown arms {unknown}; known: {', '.join(known)}")
     picked = set(wanted)
     for name in wanted:  # every arm is read against its dp and alone
         picked.update(b for b in baselines(known[name], known) if b is not None)
     arms = {name: a for name, a in known.items() if name in picked}
-    alias = same_as(list(arms.values()))
-    seeds = list(range(args.seeds or (1 if args.quick else 3)))
-    args.out.mkdir(parents=True, exist_ok=True)
-    jobs = sorted((a for a in arms.values() if a.name not in alias), key=lambda a: -cost(a))
-    print(f"compare_diloco: {len(arms)} arms ({len(alias)} the same as another), {len(seeds)} seeds, "
-          f"{len(jobs) * len(seeds)} runs on {args.jobs} workers; {shape.steps} steps x batch {shape.batch} x seq "
-          f"{shape.seq_len} per island; logs in {args.out}", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms.values() if a.name not in alias}
-    t0 = time.monotonic()
-    lock = threading.Lock()
+    return arms, {name: base for name in arms}
+
+
+def train_all(jobs: list[Arm], shapes: dict[str, Shape], seeds: list[int], args: argparse.Namespace,
+              t0: float) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    """Every seed of every job on `--jobs` workers, the costliest first; progress as each ends."""
+    runs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in jobs}
     failures: list[str] = []
+    lock = threading.Lock()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_job, a, shape, seeds, args.out, args.timeout): a for a in jobs}
+        futures = {pool.submit(run_job, a, shapes[a.name], seeds, args.out, args.timeout): a for a in jobs}
         for done, future in enumerate(as_completed(futures), 1):
             arm = futures[future]
             try:
@@ -339,26 +422,65 @@ def main(argv: list[str] | None = None) -> int:
                   f"({sum(r['wall_s'] for r in results):.0f} s)", flush=True)
     for rs in runs.values():
         rs.sort(key=lambda r: r["seed"])
+    return runs, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    shape = MODELS[args.model]
+    given = {"steps": args.steps, "lr": args.lr, "family": args.family, "corpus": args.corpus,
+             "schedule": args.schedule}
+    shape = Shape(**{**asdict(shape), **{k: v for k, v in given.items() if v is not None}})
+    arms, shapes = select(args, shape)
+    alias = same_as(list(arms.values()))
+    seeds = list(range(args.seeds or (1 if args.quick else 3)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    earlier = reused(args.baselines, arms, shapes, seeds) if args.baselines else {}
+    jobs = sorted((a for a in arms.values() if a.name not in alias and a.name not in earlier),
+                  key=lambda a: -cost(a, shapes[a.name]))
+    what = (f"{len(args.picked_cells)} cells" if args.picked_cells is not None else
+            f"{shape.steps} steps x batch {shape.batch} x seq {shape.seq_len} per island")
+    print(f"compare_diloco: {len(arms)} arms ({len(alias)} the same as another, {len(earlier)} from "
+          f"{args.baselines}), {len(seeds)} seeds, {len(jobs) * len(seeds)} runs on {args.jobs} workers; {what}; "
+          f"logs in {args.out}", flush=True)
+    t0 = time.monotonic()
+    runs, failures = train_all(jobs, shapes, seeds, args, t0)
+    runs.update(earlier)
     summary = summarize(arms, runs)
-    print_table(arms, summary, alias)
-    results = verdicts(summary)
-    print("\ngoals (mean over seeds):")
-    for what, value, ok in results:
-        mark = "-" if ok is None else ("met" if ok else "MISSED")
-        print(f"  {what:<48} {value:<32} {mark}")
-    payload = {"shape": asdict(shape), "seeds": seeds, "arms": {n: asdict(a) for n, a in arms.items()},
-               "same_as": alias, "runs": runs, "summary": summary,
-               "goals": [{"goal": w, "value": v, "met": ok} for w, v, ok in results],
-               "wall_s": round(time.monotonic() - t0, 1)}
+    payload: dict[str, Any] = {"shape": asdict(shape), "seeds": seeds, "arms": {n: asdict(a) for n, a in arms.items()},
+                               "shapes": {n: asdict(sh) for n, sh in shapes.items()}, "same_as": alias,
+                               "runs": runs, "summary": summary}
+    if args.picked_cells is not None:
+        table = diloco_matrix.rows(args.picked_cells, runs)
+        diloco_matrix.print_rows(table)
+        slow = diloco_matrix.slow_verdicts(args.picked_cells, runs)
+        for what_, value, met_ in slow:
+            print(f"  {what_:<60} {value:<40} {'met' if met_ else 'MISSED'}")
+        payload.update(matrix=table, goals=[{"goal": w, "value": v, "met": ok} for w, v, ok in slow])
+        figure = args.out / "compare_diloco_matrix.png"
+        diloco_matrix.plot(figure, args.picked_cells, runs)
+        met = [bool(r["met"]) for r in table if "met" in r] + [m for _, _, m in slow]
+        last = f"matrix goals met: {sum(met)} of {len(met)}"
+    else:
+        print_table(arms, summary, alias)
+        results = verdicts(summary)
+        print("\ngoals (mean over seeds):")
+        for what_, value, ok in results:
+            mark = "-" if ok is None else ("met" if ok else "MISSED")
+            print(f"  {what_:<48} {value:<32} {mark}")
+        payload["goals"] = [{"goal": w, "value": v, "met": ok} for w, v, ok in results]
+        figure = args.out / "compare_diloco.png"
+        plot(figure, arms, runs, shape)
+        last = (f"ratio yeto-default/dp eval loss = {summary['yeto-default']['ratio_dp']:.4f}"
+                if "ratio_dp" in summary.get("yeto-default", {}) else "")
+    payload["wall_s"] = round(time.monotonic() - t0, 1)
     (args.out / "compare_diloco.json").write_text(json.dumps(payload, indent=1))
-    plot(args.out / "compare_diloco.png", arms, runs, shape)
-    print(f"\nwrote {args.out / 'compare_diloco.json'} and {args.out / 'compare_diloco.png'} "
-          f"({time.monotonic() - t0:.0f} s)")
+    print(f"\nwrote {args.out / 'compare_diloco.json'} and {figure} ({time.monotonic() - t0:.0f} s)")
     if failures:
         print("\n".join(["failed runs:", *failures]), file=sys.stderr)
         return 1
-    if "yeto-default" in summary and "ratio_dp" in summary["yeto-default"]:
-        print(f"ratio yeto-default/dp eval loss = {summary['yeto-default']['ratio_dp']:.4f}")
+    if last:
+        print(last)
     return 0
 
 

@@ -5,8 +5,9 @@
 Each seed is a run of its own, one after the other in this process (one import of torch and
 transformers for all of them), reported as one JSON line when it ends.
 
-Three kinds of arm, all on the main job's data (byte tokens of Python's English help texts,
-`examples/hf_tiny_llama.py`) and a Llama built from a config:
+Three kinds of arm, on the shape's text, model family and learning-rate schedule
+(`diloco_data.py`; by default the main job's data, byte tokens of Python's English help texts,
+and a Llama built from a config, at a constant learning rate after a warm-up):
 
 * `dp` — synchronous data parallel: one model, global batch M·b, M·b sequences per step;
 * `alone` — one island, batch b, on shard 0 of M (what an island reaches without the others);
@@ -14,11 +15,22 @@ Three kinds of arm, all on the main job's data (byte tokens of Python's English 
   (`python -m syncer` in a subprocess on 127.0.0.1) through real `LearnerSession`s.
 
 Every arm takes the same number of optimizer steps, so `dp` and `yeto` train on equal tokens.
-The yeto islands run with `YETO_DILOCO_LOCKSTEP=1` and are stepped in one thread in a fixed
-order, with a syncer that waits for every learner: round k is answered at boundary k and merged
-into every island at the next step, so the same seed gives the same numbers bit for bit however
-loaded the machine is. The inner loop is the HF Trainer's defaults as the example sets them
-(AdamW, no weight decay, gradient clipping at 1.0, constant learning rate after a linear warmup).
+A yeto arm runs one of two ways:
+
+* **lockstep** (the default): `YETO_DILOCO_LOCKSTEP=1`, the islands stepped in one thread in a
+  fixed order, a syncer that waits for every learner and launches rounds unthrottled: round k is
+  answered at boundary k and merged into every island at the next step, so the same seed gives
+  the same numbers bit for bit however loaded the machine is;
+* **unpaced** (`unpaced`): as a user runs it. Every island trains on a thread of its own at the
+  speed the machine gives it; the syncer runs its shipped pacing (`--sync-interval-steps H`),
+  quorum and grace, so pushes arrive late, rounds close without a slow member and installs land
+  between any two steps. A seed is then not reproducible bit for bit; its mean over seeds is.
+
+`slow` makes the last island that many times slower (it sleeps `slow − 1` times its own compute
+after each step): unpaced, it trains what it can while the others take their steps; with
+`lockstep_threads`, every island waits for it at every round (the lock-step reference). The inner
+loop is the HF Trainer's defaults as the example sets them (AdamW, no weight decay, gradient
+clipping at 1.0, the shape's schedule after a linear warm-up).
 
 The global model's held-out loss is taken along the way from the fragments' anchors (the merged
 values every island last installed, identical on all of them) and at the end from the final
@@ -27,10 +39,8 @@ cut every island installed.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import fcntl
-import importlib.util
 import json
 import os
 import re
@@ -47,6 +57,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import diloco_data
 from benchmarks.procs import stop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +67,7 @@ EVAL_BATCH = 32
 CURVE_POINTS = 6  # a run is cut in this many equal pieces; the held-out loss is taken at every cut
 
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("hf_tiny_llama", ROOT / "examples" / "hf_tiny_llama.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+Trained = tuple[int, list[bool]]  # (tokens trained by all islands, whether each installed the final cut)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,11 @@ class Shape:
     batch: int = 16  # b: sequences per island and step
     steps: int = 288  # optimizer steps of every arm
     lr: float = 1.5e-3  # where dp does best at this shape: 1e-3, 2e-3 and 3e-3 gave it 2-8% more loss
-    warmup: int = 20  # then constant, as the example's Trainer runs
+    warmup: int = 20  # then the schedule
+    family: str = "llama"  # diloco_data.FAMILIES
+    corpus: str = "help"  # diloco_data.CORPORA
+    schedule: str = "constant"  # diloco_data.SCHEDULES: constant, or cosine down to 10% at the last step
+    h: int = 24  # H: inner steps per fragment round trip (YETO_DILOCO_SYNC_INTERVAL, the syncer's pacing)
     lora_r: int = 8  # LoRA arms: adapter rank on the attention's four projections
     lora_lr: float = 3e-3
     lora_base_steps: int = 144  # LoRA arms start from the full model trained this long (dp, batch 2b)
@@ -93,12 +103,16 @@ class Arm:
     syncer: list[str] = field(default_factory=list)
     note: str = ""
     in_default_run: bool = True  # False: only when named by --arms
+    unpaced: bool = False  # yeto: islands on threads of their own, the syncer's own pacing (not lockstep)
+    slow: int = 1  # yeto: the last island is this many times slower than the others
+    lockstep_threads: bool = False  # yeto with `slow`: lockstep, every island on a thread of its own
+    shards: int = 0  # data shards (0: one per island); more leaves the last shards untrained
+    cell: str = ""  # the matrix cell this arm belongs to ("": the single-shape comparison)
 
 
 def lr_factor(shape: Shape, step: int) -> float:
-    """The learning rate of optimizer step `step` (from 0) as a share of `lr`: a linear warmup, then
-    constant (HF's `constant_with_warmup`)."""
-    return min(1.0, (step + 1) / (shape.warmup + 1))
+    """The learning rate of optimizer step `step` (from 0) as a share of `lr`."""
+    return diloco_data.lr_factor(shape.schedule, shape.warmup, shape.steps, step)
 
 
 class Trainee:
@@ -150,17 +164,20 @@ class Run:
 
     def __init__(self, arm: Arm, shape: Shape, seed: int, workdir: Path) -> None:
         self.arm, self.shape, self.seed, self.workdir = arm, shape, seed, workdir
-        self.example = _example()
-        m = arm.learners
-        self.shards = [self.example.splits(shape.seq_len, i, m)[0].blocks for i in range(m)]
-        self.held_out = self.example.splits(shape.seq_len, 0, 1)[1].blocks
-        self.everything = self.example.splits(shape.seq_len, 0, 1)[0].blocks
+        m = arm.shards or arm.learners
+        self.shards = [diloco_data.shard(shape.corpus, shape.seq_len, i, m) for i in range(m)]
+        self.held_out = diloco_data.held_out(shape.corpus, shape.seq_len)
+        self.everything = diloco_data.shard(shape.corpus, shape.seq_len, 0, 1)
         self.curve: list[tuple[int, float]] = []
+        self.wall_curve: list[tuple[float, float]] = []  # (seconds of training, held-out loss): threaded arms
+
+    def _build(self) -> torch.nn.Module:
+        s = self.shape
+        return diloco_data.build_model(s.family, s.hidden, s.layers, s.seq_len, self.seed)
 
     def model(self) -> torch.nn.Module:
         s = self.shape
-        model = self.example.build_model(argparse.Namespace(hidden=s.hidden, layers=s.layers, seq_len=s.seq_len,
-                                                            seed=self.seed))
+        model = self._build()
         if not self.arm.lora:
             return model
         model.load_state_dict(self._lora_base())
@@ -175,13 +192,13 @@ class Run:
         """The full model trained `lora_base_steps` data-parallel steps: the start of every LoRA arm
         of this seed, made once per seed and shared through a file (the first arm writes it)."""
         s = self.shape
-        path = self.workdir / f"lora-base-{s.hidden}x{s.layers}-seq{s.seq_len}-{s.lora_base_steps}-seed{self.seed}.pt"
+        path = self.workdir / (f"lora-base-{s.family}-{s.corpus}-{s.hidden}x{s.layers}-seq{s.seq_len}-"
+                               f"{s.lora_base_steps}-seed{self.seed}.pt")
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if path.exists():
                 return torch.load(path, weights_only=True)
-            base = self.example.build_model(argparse.Namespace(hidden=s.hidden, layers=s.layers,
-                                                               seq_len=s.seq_len, seed=self.seed))
+            base = self._build()
             trainee = Trainee(base, self.everything, 2 * s.batch, s.lr, replace(s, steps=s.lora_base_steps),
                               seed=10_000 + self.seed)
             for _ in range(s.lora_base_steps):
@@ -220,38 +237,35 @@ class Run:
         from yeto_core.settings import LearnerSettings, load_settings
         from yeto_plugins.hf.callback import embedding_names, synced_parameters
 
-        s, m = self.shape, self.arm.learners
-        key_file = self.workdir / f"{self.arm.name}-seed{self.seed}.key"
+        s, m, arm = self.shape, self.arm.learners, self.arm
+        threaded = arm.unpaced or arm.lockstep_threads
+        key_file = self.workdir / f"{arm.name}-seed{self.seed}.key"
         key_file.write_text(secrets.token_hex(32))
-        Path(self.workdir / f"{self.arm.name}-seed{self.seed}.tape").unlink(missing_ok=True)
-        prefix = self.workdir / f"{self.arm.name}-seed{self.seed}"
-        syncer = start_syncer(prefix, key_file, m, self.arm.syncer)  # it starts while the models are built
+        Path(self.workdir / f"{arm.name}-seed{self.seed}.tape").unlink(missing_ok=True)
+        prefix = self.workdir / f"{arm.name}-seed{self.seed}"
+        # Lockstep: every learner answers every round, launched as soon as asked. Unpaced: the
+        # syncer's shipped quorum, grace and pacing.
+        pacing = ["--sync-interval-steps", str(s.h)] if arm.unpaced else ["--quorum", str(m),
+                                                                          "--sync-interval-steps", "0"]
+        syncer = start_syncer(prefix, key_file, m, [*pacing, *arm.syncer])  # it starts while the models are built
         sessions: list[LearnerSession] = []
         try:
-            lr = s.lora_lr if self.arm.lora else s.lr
+            lr = s.lora_lr if arm.lora else s.lr
             trainees = [Trainee(self.model(), self.shards[i], s.batch, lr, s, seed=self.seed * 1000 + i)
                         for i in range(m)]
             address = listening(syncer, prefix)
             for i, trainee in enumerate(trainees):
                 model = trainee.model
                 settings = load_settings(LearnerSettings, syncer=address, key_file=key_file, learner_id=i,
-                                         lockstep=True, **self.arm.learner)
+                                         lockstep=not arm.unpaced, **{"sync_interval": s.h, **arm.learner})
                 sessions.append(LearnerSession(settings, synced_parameters(model, settings.tuning),
                                                embedding_names=embedding_names(model)))
             together([session.start for session in sessions])
             viewer = copy.deepcopy(trainees[0].model)
             self.curve.append((0, self._global_loss(sessions[0], viewer)))
-            tokens = 0
-            points = self.curve_steps()
-            for step in range(1, s.steps + 1):
-                for trainee, session in zip(trainees, sessions, strict=True):
-                    n = trainee.step()
-                    tokens += n
-                    if session.step(n):
-                        raise RuntimeError(f"{self.arm.name}: the syncer finalized at step {step} of {s.steps}")
-                if step in points:
-                    self.curve.append((tokens, self._global_loss(sessions[0], viewer)))
-            finals = together([session.finish for session in sessions])
+            began = time.monotonic()
+            tokens, finals = (self._threaded if threaded else self._lockstep)(trainees, sessions, viewer)
+            train_s = time.monotonic() - began
         finally:
             for session in sessions:
                 session.close()
@@ -259,32 +273,95 @@ class Run:
             if syncer.stdout is not None:
                 syncer.stdout.close()
         if not all(finals):
-            raise RuntimeError(f"{self.arm.name}: not every island installed the final cut: {finals}")
+            raise RuntimeError(f"{arm.name}: not every island installed the final cut: {finals}")
         misses = sum(session.stats.lockstep_misses for session in sessions)
-        if misses:
-            raise RuntimeError(f"{self.arm.name}: {misses} lockstep waits ran out of time; the run is not reproducible")
+        if misses and not arm.unpaced:
+            raise RuntimeError(f"{arm.name}: {misses} lockstep waits ran out of time; the run is not reproducible")
         first = trainees[0].model.state_dict()
         for n, trainee in enumerate(trainees[1:], 1):
             for name, value in trainee.model.state_dict().items():
                 if not torch.equal(value, first[name]):
-                    raise RuntimeError(f"{self.arm.name}: island {n}'s {name} differs from island 0's final cut")
-        commits = [r for r in read_tape(self.workdir / f"{self.arm.name}-seed{self.seed}.tape")
+                    raise RuntimeError(f"{arm.name}: island {n}'s {name} differs from island 0's final cut")
+        commits = [r for r in read_tape(self.workdir / f"{arm.name}-seed{self.seed}.tape")
                    if r.get("event") == "commit"]
         return {"final_loss": eval_loss(trainees[0].model, self.held_out), "tokens": tokens, "steps": s.steps,
                 "rounds": len(commits), "pushes": sum(session.stats.pushes for session in sessions),
-                "bytes_pushed": sum(session.stats.bytes_pushed for session in sessions)}
+                "bytes_pushed": sum(session.stats.bytes_pushed for session in sessions),
+                "island_steps": [session.stats.steps for session in sessions], "train_s": round(train_s, 2),
+                "wall_curve": self.wall_curve}
 
-    def _global_loss(self, session: Any, viewer: torch.nn.Module) -> float:
-        """Held-out loss of the global model: the merged value of every fragment, as installed."""
+    def _lockstep(self, trainees: list[Trainee], sessions: list[Any], viewer: torch.nn.Module) -> Trained:
+        """Every island's step k, in island order, on this thread: reproducible bit for bit."""
+        tokens = 0
+        points = self.curve_steps()
+        for step in range(1, self.shape.steps + 1):
+            for trainee, session in zip(trainees, sessions, strict=True):
+                n = trainee.step()
+                tokens += n
+                if session.step(n):
+                    raise RuntimeError(f"{self.arm.name}: the syncer finalized at step {step} of {self.shape.steps}")
+            if step in points:
+                self.curve.append((tokens, self._global_loss(sessions[0], viewer)))
+        return tokens, together([session.finish for session in sessions])
+
+    def _threaded(self, trainees: list[Trainee], sessions: list[Any], viewer: torch.nn.Module) -> Trained:
+        """Every island on a thread of its own, as fast as it goes. A slow island (the last, when
+        `slow` > 1) trains, unpaced, only while the others still have steps to take."""
+        s, arm = self.shape, self.arm
+        last = len(trainees) - 1
+        budgeted = len(trainees) - (1 if arm.slow > 1 and arm.unpaced else 0)
+        fast_done = threading.Event()
+        lock = threading.Lock()
+        done = [0]
+        tokens = [0] * len(trainees)
+        points = self.curve_steps()
+        snapshots: list[tuple[int, float, list[torch.Tensor]]] = []
+        began = time.monotonic()
+
+        def island(i: int) -> bool:
+            trainee, session = trainees[i], sessions[i]
+            slow = arm.slow if i == last else 1
+            budget = i < budgeted
+            for step in range(1, s.steps + 1):
+                if not budget and fast_done.is_set():
+                    break
+                t0 = time.monotonic()
+                n = trainee.step()
+                if slow > 1:
+                    time.sleep((slow - 1) * (time.monotonic() - t0))
+                tokens[i] += n
+                if session.step(n):
+                    raise RuntimeError(f"{arm.name}: the syncer finalized island {i} at step {step} of {s.steps}")
+                if i == 0 and step in points:  # taken now, evaluated after: an island never stops for it
+                    snapshots.append((sum(tokens), time.monotonic() - began,
+                                      [state.anchor.clone() for state in session.fragments]))
+            if budget:
+                with lock:
+                    done[0] += 1
+                    if done[0] == budgeted:
+                        fast_done.set()
+            return bool(session.finish())
+
+        finals = together([partial(island, i) for i in range(len(trainees))], timeout_s=4 * 3600)
+        for tokens_then, seconds, anchors in snapshots:
+            loss = self._global_loss(sessions[0], viewer, anchors)
+            self.curve.append((tokens_then, loss))
+            self.wall_curve.append((round(seconds, 2), loss))
+        return sum(tokens), finals
+
+    def _global_loss(self, session: Any, viewer: torch.nn.Module, anchors: list[torch.Tensor] | None = None) -> float:
+        """Held-out loss of the global model: the merged value of every fragment, as installed
+        (or as `anchors`, taken from the session earlier)."""
         params = dict(viewer.named_parameters())
+        anchors = anchors or [state.anchor for state in session.fragments]
         with torch.no_grad():
-            for fragment, state in zip(session.layout.fragments, session.fragments, strict=True):
+            for fragment, anchor in zip(session.layout.fragments, anchors, strict=True):
                 for slot in fragment.slots:
-                    params[slot.name].copy_(state.anchor[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                    params[slot.name].copy_(anchor[slot.offset : slot.offset + slot.numel].view(slot.shape))
         return eval_loss(viewer, self.held_out)
 
 
-def together(calls: list[Callable[[], Any]]) -> list[Any]:
+def together(calls: list[Callable[[], Any]], timeout_s: float = 600) -> list[Any]:
     """Run the calls on threads of their own (learner 0's INIT, a final cut every island waits for)."""
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
@@ -299,7 +376,7 @@ def together(calls: list[Callable[[], Any]]) -> list[Any]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
+        t.join(timeout_s)
     if errors:
         raise errors[0]
     return results
@@ -312,11 +389,10 @@ def read_tape(path: Path) -> list[dict[str, Any]]:
 
 
 def start_syncer(prefix: Path, key_file: Path, learners: int, extra: list[str]) -> subprocess.Popen:
-    """The real syncer on 127.0.0.1 (a free port), waiting for every learner, rounds unthrottled
-    (the islands' lockstep sets the pace); the tape goes to `prefix`.tape."""
+    """The real syncer on 127.0.0.1 (a free port) for `learners`, pacing as `extra` says; the tape
+    goes to `prefix`.tape."""
     argv = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", str(learners),
-            "--quorum", str(learners), "--fragments", str(FRAGMENTS), "--device", "cpu",
-            "--sync-interval-steps", "0", "--tape", f"{prefix}.tape", "--key-file", str(key_file),
+            "--fragments", str(FRAGMENTS), "--device", "cpu", "--tape", f"{prefix}.tape", "--key-file", str(key_file),
             "--final-timeout-s", "30", "--log-level", "WARNING", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -344,7 +420,8 @@ def run_arm(arm: Arm, shape: Shape, seed: int, workdir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     run = Run(arm, shape, seed, workdir)
     out = getattr(run, arm.kind)()
-    return {"arm": arm.name, "seed": seed, **out, "curve": run.curve, "wall_s": round(time.monotonic() - t0, 1)}
+    return {"arm": arm.name, "cell": arm.cell, "seed": seed, **out, "curve": run.curve,
+            "wall_s": round(time.monotonic() - t0, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

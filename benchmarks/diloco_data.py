@@ -1,0 +1,123 @@
+"""What `compare_diloco`'s arms train: two texts, two model families and two learning-rate schedules.
+
+Nothing is downloaded. Tokens are bytes (vocabulary 256) of text that ships with Python:
+
+* `help` — the English help texts of the language reference (`pydoc_data.topics`, the main job's
+  data), topics in alphabetical order, about 0.47 MB;
+* `code` — the standard library's own top-level modules (`Lib/*.py`), files in name order, the
+  first 4 MiB: source, docstrings and comments, another distribution and another topic order.
+
+Either is cut the same way: the last 5% is the held-out split every arm evaluates on (at most
+EVAL_BLOCKS blocks of it, evenly spaced), the rest is cut into M contiguous shards, so each island
+reads its own stretch of topics (or modules).
+
+The families, both built from a config with the same width, depth and sequence length:
+
+* `llama` — rotary positions, RMSNorm, SwiGLU, grouped-query attention, tied embeddings
+  (`examples/hf_tiny_llama.py`'s model);
+* `gpt2` — learned positions, LayerNorm, GELU, tied embeddings, no dropout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sysconfig
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE_BYTES = 4 << 20
+EVAL_FRACTION = 0.05
+FAMILIES = ("llama", "gpt2")
+CORPORA = ("help", "code")
+SCHEDULES = ("constant", "cosine")
+COSINE_FLOOR = 0.1  # cosine decays the learning rate to this share of its peak
+EVAL_BLOCKS = 512  # a longer held-out split is thinned to this many blocks, evenly spaced: evaluation stays cheap
+
+
+@cache
+def example() -> Any:
+    """`examples/hf_tiny_llama.py` as a module: the main job's data and model."""
+    spec = importlib.util.spec_from_file_location("hf_tiny_llama", ROOT / "examples" / "hf_tiny_llama.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def code_bytes() -> bytes:
+    """The standard library's top-level modules, in name order, up to CODE_BYTES."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    out = bytearray()
+    for path in files:
+        out += path.read_bytes() + b"\n\n"
+        if len(out) >= CODE_BYTES:
+            break
+    return bytes(out[:CODE_BYTES])
+
+
+@cache
+def corpus_bytes(corpus: str) -> bytes:
+    if corpus == "help":
+        return bytes(example().english_bytes())
+    if corpus == "code":
+        return code_bytes()
+    raise ValueError(f"unknown corpus {corpus!r}; known: {', '.join(CORPORA)}")
+
+
+def blocks(data: bytes, seq_len: int) -> torch.Tensor:
+    usable = len(data) // seq_len * seq_len
+    return torch.frombuffer(bytearray(data[:usable]), dtype=torch.uint8).long().view(-1, seq_len)
+
+
+def shard(corpus: str, seq_len: int, index: int, count: int) -> torch.Tensor:
+    """Training blocks of shard `index` of `count` (contiguous; count 1 is all of the training text)."""
+    data = corpus_bytes(corpus)
+    train = data[: int(len(data) * (1 - EVAL_FRACTION))]
+    size = len(train) // count
+    return blocks(train[index * size : (index + 1) * size], seq_len)
+
+
+def held_out(corpus: str, seq_len: int) -> torch.Tensor:
+    data = corpus_bytes(corpus)
+    out = blocks(data[int(len(data) * (1 - EVAL_FRACTION)) :], seq_len)
+    if len(out) <= EVAL_BLOCKS:
+        return out
+    return out[torch.linspace(0, len(out) - 1, EVAL_BLOCKS).long()]
+
+
+def build_model(family: str, hidden: int, layers: int, seq_len: int, seed: int) -> torch.nn.Module:
+    """A causal LM of `family` from a config, its weights drawn from `seed`."""
+    if family == "llama":
+        return example().build_model(argparse.Namespace(hidden=hidden, layers=layers, seq_len=seq_len, seed=seed))
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=hidden, n_layer=layers, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                            bos_token_id=None, eos_token_id=None)
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(config)
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def lr_factor(schedule: str, warmup: int, steps: int, step: int) -> float:
+    """The learning rate of optimizer step `step` (from 0) as a share of the peak: a linear warm-up
+    of `warmup` steps, then constant (HF's `constant_with_warmup`) or a cosine down to COSINE_FLOOR
+    at the last step."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+
+
+__all__ = ["CORPORA", "FAMILIES", "SCHEDULES", "build_model", "held_out", "lr_factor", "shard"]

@@ -1,0 +1,214 @@
+"""The matrix of `compare_diloco --matrix`: cells of model family, text, schedule, H and M.
+
+Each cell trains four arms from the same seeded weights at equal tokens: `dp` (synchronous data
+parallel, batch M·b), `alone` (one island, batch b, its own shard), `yeto` (M islands, the shipped
+defaults, lockstep: reproducible bit for bit) and `yeto-unpaced` (the same, paced as a user runs
+it: islands on threads of their own, the syncer's own pacing, quorum and grace). The cells:
+
+* M = 2, H = 24: both families × both texts × both schedules (8 cells, 288 steps);
+* M = 2, H = 96: both families × both schedules on `help` (4 cells, 576 steps: 6 round trips of
+  each fragment);
+* M = 4 and M = 8, H = 24: both families × both schedules on `code` (8 cells, 576 steps; `help`
+  is too short for eight islands: dp would see it ten times);
+* `slow`: M = 4 on `code`, one island a quarter of the others' speed, unpaced: the shipped rules
+  (`yeto-slow`), the slow island left out (`drop`: three islands, its shard untrained), and every
+  round waiting for it (`wait`: lockstep, every island on its own thread).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.diloco_arm import Arm, Shape
+from benchmarks.diloco_data import CORPORA, FAMILIES, SCHEDULES
+
+GAP_GOAL = 0.8  # M = 2, H = 24: share of the alone−dp gap closed
+SLOW_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class Cell:
+    family: str
+    corpus: str
+    schedule: str
+    h: int
+    m: int
+    slow: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-{self.corpus}-{self.schedule}-h{self.h}-m{self.m}" + ("-slow" if self.slow else "")
+
+    @property
+    def long(self) -> bool:
+        """Twice today's budget: four or eight islands need more steps each to catch up, and H = 96
+        would give each fragment only three round trips in 288."""
+        return self.m >= 4 or self.h > 24
+
+    def shape(self, base: Shape) -> Shape:
+        return replace(base, family=self.family, corpus=self.corpus, schedule=self.schedule, h=self.h,
+                       steps=base.steps * (2 if self.long else 1))
+
+    def arms(self) -> list[Arm]:
+        c, m = self.name, self.m
+        common: dict[str, Any] = {"learners": m, "cell": c}
+        base = [Arm(f"{c}:dp", "dp", note=f"data parallel, batch {m}·b", **common),
+                Arm(f"{c}:alone", "alone", note="one island, its own shard", **common)]
+        if self.slow:
+            return [*base,
+                    Arm(f"{c}:yeto-slow", "yeto", unpaced=True, slow=SLOW_FACTOR,
+                        note=f"unpaced, island {m - 1} at 1/{SLOW_FACTOR} speed, shipped quorum and grace", **common),
+                    Arm(f"{c}:drop", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c,
+                        note=f"unpaced, the slow island left out ({m - 1} islands, its shard untrained)"),
+                    Arm(f"{c}:wait", "yeto", slow=SLOW_FACTOR, lockstep_threads=True,
+                        note="lockstep: every round waits for the slow island", **common)]
+        return [*base,
+                Arm(f"{c}:yeto", "yeto", note="the shipped defaults, lockstep", **common),
+                Arm(f"{c}:yeto-unpaced", "yeto", unpaced=True, note="the shipped defaults, unpaced", **common)]
+
+    def max_ratio(self) -> float:
+        """The goal for a yeto arm's loss ÷ dp's."""
+        if self.m >= 8:
+            return 1.05
+        if self.m >= 4:
+            return 1.03
+        return 1.04 if self.h > 24 else 1.02
+
+    def gap_goal(self) -> float | None:
+        return GAP_GOAL if self.m == 2 and self.h == 24 else None
+
+
+def all_cells() -> list[Cell]:
+    cells = [Cell(f, c, s, 24, 2) for f, c, s in itertools.product(FAMILIES, CORPORA, SCHEDULES)]
+    cells += [Cell(f, "help", s, 96, 2) for f, s in itertools.product(FAMILIES, SCHEDULES)]
+    cells += [Cell(f, "code", s, 24, m) for m, f, s in itertools.product((4, 8), FAMILIES, SCHEDULES)]
+    cells.append(Cell("llama", "code", "constant", 24, 4, slow=True))
+    return cells
+
+
+def pick(patterns: str | None) -> list[Cell]:
+    """The cells whose names match any of the comma-separated globs (all cells without patterns)."""
+    cells = all_cells()
+    if not patterns:
+        return cells
+    globs = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = [c for c in cells if any(fnmatch.fnmatchcase(c.name, g) for g in globs)]
+    if not chosen:
+        raise ValueError(f"--cells {patterns!r} matches no cell; cells: {', '.join(c.name for c in cells)}")
+    return chosen
+
+
+def _mean(runs: dict[str, list[dict[str, Any]]], name: str, key: str = "final_loss") -> float | None:
+    rs = runs.get(name) or []
+    return statistics.fmean(r[key] for r in rs) if rs else None
+
+
+def rows(cells: Iterable[Cell], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per cell and yeto arm: mean, min–max, ÷ dp, share of the alone−dp gap closed, the goal."""
+    out: list[dict[str, Any]] = []
+    for cell in cells:
+        dp, alone = _mean(runs, f"{cell.name}:dp"), _mean(runs, f"{cell.name}:alone")
+        for arm in cell.arms():
+            if arm.kind != "yeto" or not runs.get(arm.name):
+                continue
+            losses = [r["final_loss"] for r in runs[arm.name]]
+            mean = statistics.fmean(losses)
+            row: dict[str, Any] = {"cell": cell.name, "arm": arm.name.split(":", 1)[1], "mean": mean,
+                                   "min": min(losses), "max": max(losses), "seeds": len(losses), "dp": dp,
+                                   "alone": alone, "train_s": _mean(runs, arm.name, "train_s")}
+            if dp is not None:
+                row["ratio_dp"] = mean / dp
+            if dp is not None and alone is not None and alone != dp:
+                row["gap_closed"] = (alone - mean) / (alone - dp)
+            if not cell.slow:
+                row["goal"] = cell.max_ratio()
+                row["met"] = "ratio_dp" in row and row["ratio_dp"] <= cell.max_ratio() and (
+                    cell.gap_goal() is None or row.get("gap_closed", -1.0) >= (cell.gap_goal() or 0.0))
+            out.append(row)
+    return out
+
+
+def slow_verdicts(cells: Iterable[Cell], runs: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, bool]]:
+    """The slow island's goals: yeto with it beats yeto without it, and reaches the lock-step arm's
+    loss in less wall-clock time."""
+    lines: list[tuple[str, str, bool]] = []
+    for cell in cells:
+        if not cell.slow:
+            continue
+        c = cell.name
+        slow, drop, wait = (_mean(runs, f"{c}:{a}") for a in ("yeto-slow", "drop", "wait"))
+        if slow is not None and drop is not None:
+            lines.append((f"{c}: with the slow island beats without it", f"{slow:.4f} vs {drop:.4f}", slow < drop))
+        slow_s, wait_s = _mean(runs, f"{c}:yeto-slow", "train_s"), _mean(runs, f"{c}:wait", "train_s")
+        if slow is not None and wait is not None and slow_s is not None and wait_s is not None:
+            lines.append((f"{c}: reaches lockstep's loss in less time",
+                          f"{slow:.4f} in {slow_s:.0f} s vs {wait:.4f} in {wait_s:.0f} s",
+                          slow <= wait and slow_s < wait_s))
+    return lines
+
+
+def print_rows(table: list[dict[str, Any]]) -> None:
+    print(f"\n{'cell':<30} {'arm':<13} {'mean':>7} {'min-max':>15} {'/dp':>7} {'gap':>5} {'goal':>6}  met")
+    for r in table:
+        ratio = f"{r['ratio_dp']:.4f}" if "ratio_dp" in r else "-"
+        gap = f"{r['gap_closed']:.0%}" if "gap_closed" in r else "-"
+        goal = f"{r['goal']:.2f}" if "goal" in r else "-"
+        met = "-" if "met" not in r else ("met" if r["met"] else "MISSED")
+        print(f"{r['cell']:<30} {r['arm']:<13} {r['mean']:7.4f} {r['min']:7.4f}-{r['max']:.4f} {ratio:>7} {gap:>5} "
+              f"{goal:>6}  {met}")
+
+
+def plot(path: Path, cells: list[Cell], runs: dict[str, list[dict[str, Any]]]) -> None:
+    """One panel per cell: each arm's held-out loss ÷ dp's at the same share of the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [c for c in cells if runs.get(f"{c.name}:dp")]
+    if not shown:
+        return
+    cols = min(4, len(shown))
+    nrows = (len(shown) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.4 * nrows), squeeze=False)
+    styles = {"alone": {"color": "gray", "linestyle": "--"}, "yeto": {"color": "tab:red"},
+              "yeto-unpaced": {"color": "tab:blue"}, "yeto-slow": {"color": "tab:red"},
+              "drop": {"color": "tab:orange"}, "wait": {"color": "tab:green"}}
+    for ax, cell in zip(axes.flat, shown, strict=False):
+        dp = runs[f"{cell.name}:dp"]
+        reference = [statistics.fmean(r["curve"][i][1] for r in dp) for i in range(len(dp[0]["curve"]))]
+        reference.append(statistics.fmean(r["final_loss"] for r in dp))
+        for arm in cell.arms():
+            rs = runs.get(arm.name)
+            kind = arm.name.split(":", 1)[1]
+            if arm.kind == "dp" or not rs or kind not in styles:
+                continue
+            points = min(len(r["curve"]) for r in rs)
+            losses = [statistics.fmean(r["curve"][i][1] for r in rs) for i in range(points)]
+            losses.append(statistics.fmean(r["final_loss"] for r in rs))
+            share = [i / (len(reference) - 1) for i in range(1, len(reference))]
+            ratio = [x / ref for x, ref in zip(losses[1:], reference[1:], strict=False)]
+            ax.plot(share[: len(ratio)], ratio, label=kind, linewidth=1.5, **styles[kind])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(cell.max_ratio(), color="black", linewidth=0.6, linestyle=":")
+        ax.set_title(cell.name, fontsize=9)
+        ax.set_ylim(0.97, 1.3)
+        ax.set_xlabel("share of the run")
+        ax.set_ylabel("eval loss / dp")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    fig.suptitle("compare_diloco --matrix: held-out loss / data parallel's at the same step (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+__all__ = ["Cell", "all_cells", "pick", "plot", "print_rows", "rows", "slow_verdicts"]

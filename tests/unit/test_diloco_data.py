@@ -1,0 +1,94 @@
+"""compare_diloco's texts, model families, schedules and matrix cells: what each arm trains."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from benchmarks import diloco_data, diloco_matrix
+from benchmarks.diloco_arm import Shape
+
+
+def test_constant_schedule_is_hf_constant_with_warmup() -> None:
+    factors = [diloco_data.lr_factor("constant", 20, 288, step) for step in range(288)]
+    assert factors[:21] == [min(1.0, (step + 1) / 21) for step in range(21)]
+    assert set(factors[20:]) == {1.0}
+
+
+def test_cosine_schedule_decays_to_a_tenth_at_the_last_step() -> None:
+    factors = [diloco_data.lr_factor("cosine", 20, 288, step) for step in range(289)]
+    assert factors[19] < 1.0 and factors[20] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(factors[20:]))
+    assert factors[288] == pytest.approx(diloco_data.COSINE_FLOOR)
+    assert factors[154] == pytest.approx(0.55, abs=0.01)  # half way down the cosine
+
+
+def test_unknown_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown schedule 'linear'"):
+        diloco_data.lr_factor("linear", 20, 288, 30)
+    with pytest.raises(ValueError, match="unknown family 'bert'"):
+        diloco_data.build_model("bert", 32, 1, 16, 0)
+    with pytest.raises(ValueError, match="unknown corpus 'wiki'"):
+        diloco_data.corpus_bytes("wiki")
+
+
+def test_gpt2_family_has_learned_positions_layer_norm_gelu_and_tied_embeddings() -> None:
+    model = diloco_data.build_model("gpt2", 32, 2, 16, seed=3)
+    config = model.config
+    assert (config.n_embd, config.n_layer, config.n_positions, config.vocab_size) == (32, 2, 16, 256)
+    assert config.activation_function.startswith("gelu")
+    assert model.transformer.wpe.weight.shape == (16, 32)  # learned positions
+    assert isinstance(model.transformer.ln_f, torch.nn.LayerNorm)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    again = diloco_data.build_model("gpt2", 32, 2, 16, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    x = torch.randint(0, 256, (2, 16))
+    assert math.isfinite(model(input_ids=x, labels=x).loss.item())
+
+
+def test_shards_are_contiguous_and_disjoint_and_held_out_is_thinned() -> None:
+    for corpus in diloco_data.CORPORA:
+        whole = diloco_data.shard(corpus, 64, 0, 1)
+        parts = [diloco_data.shard(corpus, 64, i, 4) for i in range(4)]
+        assert sum(len(p) for p in parts) <= len(whole)
+        assert torch.equal(parts[0][0], whole[0])
+        held = diloco_data.held_out(corpus, 64)
+        assert 100 < len(held) <= diloco_data.EVAL_BLOCKS
+        assert int(held.max()) < 256
+    assert len(diloco_data.corpus_bytes("code")) == diloco_data.CODE_BYTES
+    # The help text's held-out split is under the cap: the single-shape benchmark's numbers stay as they were.
+    assert len(diloco_data.held_out("help", 64)) < diloco_data.EVAL_BLOCKS
+
+
+def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
+    cells = diloco_matrix.all_cells()
+    names = [c.name for c in cells]
+    assert len(set(names)) == len(names)
+    m2 = [c for c in cells if c.m == 2 and c.h == 24]
+    assert {(c.family, c.corpus, c.schedule) for c in m2} == {
+        (f, c, s) for f in diloco_data.FAMILIES for c in diloco_data.CORPORA for s in diloco_data.SCHEDULES}
+    assert {c.m for c in cells} == {2, 4, 8} and {c.h for c in cells} == {24, 96}
+    assert any(c.slow for c in cells)
+    assert [c.name for c in diloco_matrix.pick("gpt2-*-h96-m2")] == ["gpt2-help-constant-h96-m2",
+                                                                   "gpt2-help-cosine-h96-m2"]
+    with pytest.raises(ValueError, match="matches no cell"):
+        diloco_matrix.pick("resnet-*")
+    long = diloco_matrix.Cell("llama", "code", "cosine", 24, 8).shape(Shape())
+    assert (long.steps, long.family, long.corpus, long.schedule) == (576, "llama", "code", "cosine")
+    kinds = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("gpt2", "help", "constant", 24, 2).arms()}
+    assert set(kinds) == {"dp", "alone", "yeto", "yeto-unpaced"} and kinds["yeto-unpaced"].unpaced
+    slow = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("llama", "code", "constant", 24, 4, True).arms()}
+    assert slow["drop"].learners == 3 and slow["drop"].shards == 4
+    assert slow["wait"].lockstep_threads and slow["wait"].slow == slow["yeto-slow"].slow == 4
+
+
+def test_goal_rows_read_ratio_and_gap() -> None:
+    cell = diloco_matrix.Cell("llama", "help", "constant", 24, 2)
+    runs = {f"{cell.name}:dp": [{"final_loss": 1.0}], f"{cell.name}:alone": [{"final_loss": 1.2}],
+            f"{cell.name}:yeto": [{"final_loss": 1.01, "train_s": 3.0}, {"final_loss": 1.03, "train_s": 5.0}],
+            f"{cell.name}:yeto-unpaced": [{"final_loss": 1.1, "train_s": 2.0}]}
+    rows = {r["arm"]: r for r in diloco_matrix.rows([cell], runs)}
+    assert rows["yeto"]["ratio_dp"] == pytest.approx(1.02) and rows["yeto"]["gap_closed"] == pytest.approx(0.9)
+    assert rows["yeto"]["met"] and rows["yeto"]["train_s"] == 4.0
+    assert not rows["yeto-unpaced"]["met"] and rows["yeto-unpaced"]["gap_closed"] == pytest.approx(0.5)
