@@ -299,7 +299,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"one seed, arms {', '.join(QUICK)}")
     p.add_argument("--arms", help="comma-separated arms to run (default: all but final-flush and "
-                   "previous-defaults); a yeto arm brings its dp and alone")
+                   "previous-defaults); a yeto arm brings its dp and alone. With the matrix: the kinds of arm "
+                   "each cell trains, e.g. yeto-unpaced (dp and alone always)")
     p.add_argument("--matrix", action="store_true", help="every cell of the matrix (diloco_matrix.py)")
     p.add_argument("--cells", help="comma-separated globs of matrix cells to run, e.g. 'gpt2-*-h24-m2'")
     p.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick 1)")
@@ -323,8 +324,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="deadline of one run in seconds")
     args = p.parse_args(argv)
     matrix = args.matrix or args.cells
-    if matrix and (args.arms or args.quick or args.family or args.corpus or args.schedule):
-        p.error("--matrix/--cells choose their own arms, families, texts and schedules")
+    if matrix and (args.quick or args.family or args.corpus or args.schedule):
+        p.error("--matrix/--cells choose their own families, texts and schedules")
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be at least 1, not {args.steps}")
     try:
@@ -344,6 +345,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             args.picked_cells = diloco_matrix.pick(args.cells)
         except ValueError as exc:
             p.error(str(exc))
+        kinds = {a.name.split(":", 1)[1] for cell in args.picked_cells for a in cell.arms()}
+        unknown = sorted(set(args.arms.split(",")) - kinds) if args.arms else []
+        if unknown:
+            p.error(f"--arms: the matrix's cells have no arms {unknown}; theirs: {', '.join(sorted(kinds))}")
     else:
         args.picked_cells = None
         known = {a.name for a in ARMS}
@@ -385,9 +390,11 @@ def reused(path: Path, arms: dict[str, Arm], shapes: dict[str, Shape], seeds: li
 
 
 def _select(args: argparse.Namespace, base: Shape) -> tuple[dict[str, Arm], dict[str, Shape]]:
-    if args.picked_cells is not None:
-        arms = {a.name: a for cell in args.picked_cells for a in cell.arms()}
-        shapes = {a.name: cell.shape(base) for cell in args.picked_cells for a in cell.arms()}
+    if args.picked_cells is not None:  # --arms names kinds of arm here; dp and alone always come
+        kinds = set(args.arms.split(",")) | {"dp", "alone"} if args.arms else None
+        arms = {a.name: a for cell in args.picked_cells for a in cell.arms()
+                if kinds is None or a.name.split(":", 1)[1] in kinds}
+        shapes = {a.name: cell.shape(base) for cell in args.picked_cells for a in cell.arms() if a.name in arms}
         return arms, shapes
     known = {a.name: a for a in ARMS}
     wanted = QUICK if args.quick else (args.arms.split(",") if args.arms else

@@ -325,8 +325,9 @@ class LearnerSession:
     def finish(self) -> bool:
         """Local training ended: push what each fragment trained since its last push (the final
         flush, `final_flush`), then ask for the final cut and install it; `final_timeout_s` bounds
-        it all, and the flush gets at most half of it. Without the flush, an island that sweeps
-        (RL) still waits, for at most that half, until its last sweep's pushes are merged."""
+        it all, and the flush gets at most half of it. Without the flush, the island still waits,
+        for at most that half, until the pushes it sent are merged (or their rounds committed
+        without them), so its DONE never overtakes its own last push."""
         s = self.settings
         if self.stats.final_installed:
             return True
@@ -337,9 +338,10 @@ class LearnerSession:
         started = self.clock()
         deadline = started + s.final_timeout_s
         flushing = s.final_flush
-        # A sweeping island's last pushes may still be in flight (overlap returns before they merge):
-        # DONE from every island would let the syncer finalize without their rounds.
-        settling = s.sweeps and not flushing
+        # The last pushes may still be streaming (pushes go on the data streams, DONE on the control
+        # stream, so DONE can arrive first): the syncer would then drop this island from their
+        # rounds, and DONE from every island would let it finalize without them.
+        settling = not flushing
         while self.clock() < deadline:
             if stop_if_refused(s, self.link.refused):
                 return False
@@ -350,7 +352,7 @@ class LearnerSession:
                 flushing = False
             if settling and (self.sync.pushes_merged() or self.clock() > started + s.final_timeout_s / 2):
                 if not self.sync.pushes_merged():
-                    log.warning("learner %d: the last sweep's pushes were not merged in time; asking for the final "
+                    log.warning("learner %d: the last pushes were not merged in time; asking for the final "
                                 "cut without them", s.learner_id)
                 settling = False
             needs_done = self._generation is not None and self._done_sent_on != self.sync.links

@@ -468,6 +468,36 @@ def test_a_merge_installed_with_nothing_trained_since_the_push_is_the_global_val
     assert torch.equal(w, torch.full((1,), 1e-19)) and s.stats.rebases == 1
 
 
+def test_a_streaming_island_says_done_only_once_its_last_push_is_merged() -> None:
+    """Pushes go on the data streams and DONE on the control stream: a DONE said at once can reach
+    the syncer first, which then drops this island from the round its push is for, and the steps
+    that push carried are lost (the syncer refuses it as late)."""
+    w = torch.zeros(2)
+    s, link, clock, _ = hand_fed([("w", w)], sync_interval=1, final_timeout_s=100)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=5)  # a boundary: the pull is answered
+    assert len(link.jobs) == 1
+    started = clock.now
+    seen: list[str] = []  # what the syncer saw, in order
+
+    def syncer() -> None:
+        if any(isinstance(m, Done) for m in link.sent) and "done" not in seen:
+            seen.append("done")
+        if clock.now - started > 3 and "merged" not in seen:  # the push's round commits a while later
+            seen.append("merged")
+            link.bcast(0, 1, 0, torch.ones(2), merged=True)
+        elif seen == ["merged", "done"] and not s.final_ready:
+            link.final(0, 1, torch.ones(2))
+
+    link.on_wait = syncer
+    assert s.finish()
+    assert seen == ["merged", "done"], "DONE before the last push merged"
+    assert link.sent == [Done(1)] and torch.equal(w, torch.ones(2))
+
+
 def test_an_overlapping_island_says_done_only_once_its_last_sweep_is_merged() -> None:
     """overlap returns from the last sweep with its pushes in flight; DONE then (no final flush)
     would let the syncer finalize without their rounds, and the last iteration would be lost."""
