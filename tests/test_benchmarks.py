@@ -54,6 +54,33 @@ def test_chaos_runs() -> None:
 
 
 @pytest.mark.timeout(240)
+def test_chaos_learning_runs(tmp_path: Path) -> None:
+    # The learning mode, shortened: two learners train the small Llama 150 steps each, once without
+    # faults and once with a learner kill, a SIGSTOP and a syncer restart. A kill is made only while
+    # the other learner has more than --rejoin-s (12 s) of steps left: 30 s of steps leave room for
+    # one early kill and a slow restart (the measured default would allow none in so short a run).
+    # Only sanity, not the ratio.
+    args = ["--steps", "150", "--learners", "2", "--step-s", "0.2", "--kill-every", "3", "--rejoin-s", "12",
+            "--restart-delay", "0.5", "--stops", "1", "--stop-s", "1", "--syncer-down-s", "1",
+            "--json", str(tmp_path / "chaos.json")]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.chaos", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=220)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("final eval loss fault-free ") and last.endswith("(goal <= 1.03)"), out.stdout[-2000:]
+    data = json.loads((tmp_path / "chaos.json").read_text())
+    clean, chaos = data["arms"]["fault-free"], data["arms"]["faults"]
+    # the fault-free arm trained every id to its budget and ended on one final cut, better than the start
+    assert clean["steps_per_id"] == {"0": 150, "1": 150} and clean["final"]["agreed"], out.stdout
+    for arm in (clean, chaos):
+        assert arm["final"]["loss"] is not None and 0 < arm["final"]["loss"] < math.log(256), out.stdout
+    assert chaos["learner_kills"] >= 1 and chaos["sigstops"] == 1 and chaos["syncer_restarts"] == 1, out.stdout
+    assert {what for _t, what, _lid in chaos["faults"]} == {"kill", "sigstop", "syncer-kill"}, chaos["faults"]
+    loss = data["final_eval_loss"]
+    assert loss["ratio"] == pytest.approx(loss["faults"] / loss["fault-free"]) and loss["goal"] == 1.03
+
+
+@pytest.mark.timeout(240)
 def test_compare_diloco_quick_runs(tmp_path: Path) -> None:
     # The convergence benchmark's quick mode, shortened: it runs, and its JSON and figure are sane.
     out = subprocess.run([sys.executable, "-m", "benchmarks.compare_diloco", "--quick", "--steps", "36",
