@@ -434,9 +434,9 @@ class Runner:
         if self.budget:  # the window: from the initial cut to the last id's last step
             arm.seconds = max(reached, default=self.limit)
             arm.steps_per_id = self.budget.per_id()
-            done = {lid: [e for e in json_lines(c.out) if e.get("event") == "learner_done"] for lid, c in
+            ends = {lid: [e for e in json_lines(c.out) if e.get("event") == "learner_done"] for lid, c in
                     self.learners.items()}
-            arm.final = self.budget.final_cut({lid: recs[-1] for lid, recs in done.items() if recs}, arm.notes)
+            arm.final = self.budget.final_cut({lid: recs[-1] for lid, recs in ends.items() if recs}, arm.notes)
         records = read_tape(self.tape)
         last: dict[int, dict[str, Any]] = {}
         for rec in records:

@@ -70,17 +70,17 @@ class TinyLlama:
     """The main job's model and data, trained from step `done` of the id's budget on."""
 
     def __init__(self, args: argparse.Namespace, done: int) -> None:
-        from benchmarks.diloco_arm import Shape, Trainee, _example, eval_loss
+        from benchmarks import diloco_data
+        from benchmarks.diloco_arm import Shape, Trainee, eval_loss
         from yeto_plugins.torch_dist.modules import embedding_names, synced_parameters
 
-        example = _example()
         shape = Shape(hidden=args.hidden, layers=args.layers, seq_len=args.seq_len, batch=args.batch,
                       steps=args.steps, lr=args.lr, warmup=args.warmup)
-        train, self.held_out = example.splits(args.seq_len, args.learner_id, args.shards)
-        self.model = example.build_model(argparse.Namespace(hidden=args.hidden, layers=args.layers,
-                                                            seq_len=args.seq_len, seed=args.seed))
+        train = diloco_data.shard(shape.corpus, args.seq_len, args.learner_id, args.shards)
+        self.held_out = diloco_data.held_out(shape.corpus, args.seq_len)
+        self.model = diloco_data.build_model(shape.family, args.hidden, args.layers, args.seq_len, args.seed)
         # The data order is the id's, whichever incarnation runs it: seeded by the id, fast-forwarded.
-        self.trainee = Trainee(self.model, train.blocks, args.batch, args.lr, shape,
+        self.trainee = Trainee(self.model, train, args.batch, args.lr, shape,
                                seed=args.seed * 1000 + args.learner_id)
         with warnings.catch_warnings():  # the schedule moves on without optimizer steps: on purpose
             warnings.simplefilter("ignore")
@@ -95,7 +95,7 @@ class TinyLlama:
         return self.trainee.step()
 
     def eval_loss(self) -> float:
-        return float(self._eval_loss(self.model, self.held_out.blocks))
+        return float(self._eval_loss(self.model, self.held_out))
 
     def digest(self) -> str:
         h = hashlib.sha256()
