@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -373,15 +373,23 @@ def select(args: argparse.Namespace, base: Shape) -> tuple[dict[str, Arm], dict[
 Runs = dict[str, list[dict[str, Any]]]  # arm name -> its runs, one per seed
 
 
+def _same(recorded: dict[str, Any] | None, now: Arm | Shape) -> bool:
+    """Whether a recorded arm or shape is `now`; a field it lacks (added since) counts as its default."""
+    if recorded is None:
+        return False
+    defaults = {f.name: f.default for f in fields(now) if f.default is not MISSING}
+    return all(recorded.get(k, defaults.get(k, MISSING)) == v for k, v in asdict(now).items())
+
+
 def reused(path: Path, arms: dict[str, Arm], shapes: dict[str, Shape], seeds: list[int]) -> Runs:
     """The dp and alone runs of an earlier result that trained the same arm at the same shape, for
     every seed asked (an arm missing a seed is trained again)."""
     earlier = json.loads(path.read_text())
     out: dict[str, list[dict[str, Any]]] = {}
     for name, arm in arms.items():
-        if arm.kind == "yeto" or earlier.get("shapes", {}).get(name) != asdict(shapes[name]):
+        if arm.kind == "yeto" or not _same(earlier.get("shapes", {}).get(name), shapes[name]):
             continue
-        if earlier.get("arms", {}).get(name) != asdict(arm):
+        if not _same(earlier.get("arms", {}).get(name), arm):
             continue
         got = {r["seed"]: r for r in earlier.get("runs", {}).get(name, [])}
         if all(seed in got for seed in seeds):

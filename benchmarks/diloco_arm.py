@@ -27,8 +27,10 @@ A yeto arm runs one of two ways:
   between any two steps. A seed is then not reproducible bit for bit; its mean over seeds is.
 
 `slow` makes the last island that many times slower (it sleeps `slow − 1` times its own compute
-after each step): unpaced, it trains what it can while the others take their steps; with
-`lockstep_threads`, every island waits for it at every round (the lock-step reference). The inner
+after each step). Unpaced with `fleet_budget`, the islands share M·steps optimizer steps and each
+trains until they are taken, so the slow island contributes what its speed allows and the fleet
+still sees the tokens of every other arm; with `lockstep_threads`, every island takes its `steps`
+and waits for the slow one at every round (the lock-step reference). The inner
 loop is the HF Trainer's defaults as the example sets them (AdamW, no weight decay, gradient
 clipping at 1.0, the shape's schedule after a linear warm-up).
 
@@ -107,6 +109,8 @@ class Arm:
     slow: int = 1  # yeto: the last island is this many times slower than the others
     lockstep_threads: bool = False  # yeto with `slow`: lockstep, every island on a thread of its own
     shards: int = 0  # data shards (0: one per island); more leaves the last shards untrained
+    fleet_budget: bool = False  # unpaced: the islands share max(M, shards)·steps optimizer steps, each
+    # training until they are taken, so arms of islands at different speeds see equal tokens
     cell: str = ""  # the matrix cell this arm belongs to ("": the single-shape comparison)
 
 
@@ -305,41 +309,40 @@ class Run:
         return tokens, together([session.finish for session in sessions])
 
     def _threaded(self, trainees: list[Trainee], sessions: list[Any], viewer: torch.nn.Module) -> Trained:
-        """Every island on a thread of its own, as fast as it goes. A slow island (the last, when
-        `slow` > 1) trains, unpaced, only while the others still have steps to take."""
+        """Every island on a thread of its own, as fast as it goes: `steps` each, or, with a
+        `fleet_budget`, until the fleet together has taken its max(M, shards)·steps."""
         s, arm = self.shape, self.arm
         last = len(trainees) - 1
-        budgeted = len(trainees) - (1 if arm.slow > 1 and arm.unpaced else 0)
-        fast_done = threading.Event()
         lock = threading.Lock()
-        done = [0]
+        left = [max(arm.learners, arm.shards) * s.steps]
         tokens = [0] * len(trainees)
         points = self.curve_steps()
         snapshots: list[tuple[int, float, list[torch.Tensor]]] = []
         began = time.monotonic()
 
+        def may_step(step: int) -> bool:
+            if not arm.fleet_budget:
+                return step <= s.steps
+            with lock:
+                left[0] -= 1
+                return left[0] >= 0
+
         def island(i: int) -> bool:
             trainee, session = trainees[i], sessions[i]
             slow = arm.slow if i == last else 1
-            budget = i < budgeted
-            for step in range(1, s.steps + 1):
-                if not budget and fast_done.is_set():
-                    break
+            step = 1
+            while may_step(step):
                 t0 = time.monotonic()
                 n = trainee.step()
                 if slow > 1:
                     time.sleep((slow - 1) * (time.monotonic() - t0))
                 tokens[i] += n
                 if session.step(n):
-                    raise RuntimeError(f"{arm.name}: the syncer finalized island {i} at step {step} of {s.steps}")
+                    raise RuntimeError(f"{arm.name}: the syncer finalized island {i} at step {step}")
                 if i == 0 and step in points:  # taken now, evaluated after: an island never stops for it
                     snapshots.append((sum(tokens), time.monotonic() - began,
                                       [state.anchor.clone() for state in session.fragments]))
-            if budget:
-                with lock:
-                    done[0] += 1
-                    if done[0] == budgeted:
-                        fast_done.set()
+                step += 1
             return bool(session.finish())
 
         finals = together([partial(island, i) for i in range(len(trainees))], timeout_s=4 * 3600)

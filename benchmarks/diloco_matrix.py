@@ -10,9 +10,11 @@ it: islands on threads of their own, the syncer's own pacing, quorum and grace).
   each fragment);
 * M = 4 and M = 8, H = 24: both families × both schedules on `code` (8 cells, 576 steps; `help`
   is too short for eight islands: dp would see it ten times);
-* `slow`: M = 4 on `code`, one island a quarter of the others' speed, unpaced: the shipped rules
-  (`yeto-slow`), the slow island left out (`drop`: three islands, its shard untrained), and every
-  round waiting for it (`wait`: lockstep, every island on its own thread).
+* `slow`: M = 4 on `code`, one island a quarter of the others' speed: the shipped rules
+  (`yeto-slow`, unpaced), the slow island left out (`drop`: three islands, its shard untrained),
+  and every round waiting for it (`wait`: lockstep, every island on its own thread). All three
+  see equal tokens: in `yeto-slow` and `drop` the islands share M·steps optimizer steps, each
+  training until they are taken, so the fast ones take the steps the slow one cannot.
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ class Cell:
                 Arm(f"{c}:alone", "alone", note="one island, its own shard", **common)]
         if self.slow:
             return [*base,
-                    Arm(f"{c}:yeto-slow", "yeto", unpaced=True, slow=SLOW_FACTOR,
+                    Arm(f"{c}:yeto-slow", "yeto", unpaced=True, slow=SLOW_FACTOR, fleet_budget=True,
                         note=f"unpaced, island {m - 1} at 1/{SLOW_FACTOR} speed, shipped quorum and grace", **common),
-                    Arm(f"{c}:drop", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c,
+                    Arm(f"{c}:drop", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c, fleet_budget=True,
                         note=f"unpaced, the slow island left out ({m - 1} islands, its shard untrained)"),
                     Arm(f"{c}:wait", "yeto", slow=SLOW_FACTOR, lockstep_threads=True,
                         note="lockstep: every round waits for the slow island", **common)]

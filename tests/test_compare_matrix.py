@@ -40,3 +40,20 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], tmp_path: Path) 
                          cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1].startswith("compare_diloco")
+
+
+@pytest.mark.timeout(300)
+def test_slow_cell_arms_see_equal_tokens_and_the_slow_island_takes_fewer_steps(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.compare_diloco", "--cells", "*-slow", "--seeds", "1",
+                          "--steps", "12", "--arms", "yeto-slow,drop", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "compare_diloco.json").read_text())
+    runs = {name.split(":")[1]: rs[0] for name, rs in data["runs"].items()}
+    assert set(runs) == {"dp", "alone", "yeto-slow", "drop"}
+    steps = runs["dp"]["steps"]
+    assert runs["yeto-slow"]["tokens"] == runs["drop"]["tokens"] == runs["dp"]["tokens"] == 4 * runs["alone"]["tokens"]
+    assert sum(runs["yeto-slow"]["island_steps"]) == sum(runs["drop"]["island_steps"]) == 4 * steps
+    *fast, slow = runs["yeto-slow"]["island_steps"]
+    assert slow < min(fast), runs["yeto-slow"]["island_steps"]  # the fast islands took the steps it could not
+    assert len(runs["drop"]["island_steps"]) == 3

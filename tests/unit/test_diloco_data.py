@@ -81,6 +81,20 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
     slow = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("llama", "code", "constant", 24, 4, True).arms()}
     assert slow["drop"].learners == 3 and slow["drop"].shards == 4
     assert slow["wait"].lockstep_threads and slow["wait"].slow == slow["yeto-slow"].slow == 4
+    assert slow["yeto-slow"].fleet_budget and slow["drop"].fleet_budget and not slow["wait"].fleet_budget
+
+
+def test_baselines_reuse_runs_recorded_before_a_field_was_added() -> None:
+    from dataclasses import asdict
+
+    from benchmarks.compare_diloco import _same
+    from benchmarks.diloco_arm import Arm
+
+    arm = Arm("c:dp", "dp", learners=4, cell="c")
+    recorded = {k: v for k, v in asdict(arm).items() if k != "fleet_budget"}  # written before the field
+    assert _same(recorded, arm) and _same(asdict(Shape()), Shape())
+    assert not _same(recorded, Arm("c:dp", "dp", learners=4, cell="c", fleet_budget=True))
+    assert not _same({**recorded, "learners": 2}, arm) and not _same(None, arm)
 
 
 def test_goal_rows_read_ratio_and_gap() -> None:
