@@ -2,12 +2,14 @@
 
 import itertools
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
 
 from benchmarks import diloco_data, diloco_matrix
-from benchmarks.diloco_arm import Shape
+from benchmarks.compare_diloco import _same
+from benchmarks.diloco_arm import Arm, Shape
 
 
 def test_constant_schedule_is_hf_constant_with_warmup() -> None:
@@ -85,11 +87,6 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
 
 
 def test_baselines_reuse_runs_recorded_before_a_field_was_added() -> None:
-    from dataclasses import asdict
-
-    from benchmarks.compare_diloco import _same
-    from benchmarks.diloco_arm import Arm
-
     arm = Arm("c:dp", "dp", learners=4, cell="c")
     recorded = {k: v for k, v in asdict(arm).items() if k != "fleet_budget"}  # written before the field
     assert _same(recorded, arm) and _same(asdict(Shape()), Shape())
