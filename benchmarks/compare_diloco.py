@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks import diloco_matrix
 from benchmarks.diloco_arm import Arm, Shape
-from benchmarks.diloco_data import CORPORA, FAMILIES, SCHEDULES
+from benchmarks.diloco_data import CORPORA, FAMILIES, FAMILY_LR, SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -312,7 +312,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "matrix)")
     p.add_argument("--steps", type=int, help="optimizer steps of every arm (default 288; the matrix doubles it "
                    "for its M = 4, M = 8 and H = 96 cells)")
-    p.add_argument("--lr", type=float, help="inner learning rate of every arm (default: the model's)")
+    p.add_argument("--lr", type=float, help="inner learning rate of every arm (default: the model's; the bench "
+                   "model at --family or in a matrix cell: the family's, diloco_data.FAMILY_LR)")
     p.add_argument("--syncer-flags", default="", help="syncer flags added to every yeto arm, e.g. "
                    "'--outer-lr 0.7' (to measure a candidate default across cells)")
     p.add_argument("--learner-settings", default="", help="learner settings added to every yeto arm, as "
@@ -402,7 +403,8 @@ def _select(args: argparse.Namespace, base: Shape) -> tuple[dict[str, Arm], dict
         kinds = set(args.arms.split(",")) | {"dp", "alone"} if args.arms else None
         arms = {a.name: a for cell in args.picked_cells for a in cell.arms()
                 if kinds is None or a.name.split(":", 1)[1] in kinds}
-        shapes = {a.name: cell.shape(base) for cell in args.picked_cells for a in cell.arms() if a.name in arms}
+        shapes = {a.name: cell.shape(base, lr=args.lr)
+                  for cell in args.picked_cells for a in cell.arms() if a.name in arms}
         return arms, shapes
     known = {a.name: a for a in ARMS}
     wanted = QUICK if args.quick else (args.arms.split(",") if args.arms else
@@ -440,12 +442,20 @@ def train_all(jobs: list[Arm], shapes: dict[str, Shape], seeds: list[int], args:
     return runs, failures
 
 
+def base_shape(args: argparse.Namespace) -> Shape:
+    """The shape `--model` names, with what the flags change; the bench model at another `--family`
+    takes that family's rate (diloco_data.FAMILY_LR) unless `--lr` is given."""
+    lr = args.lr
+    if lr is None and args.family is not None and args.model == "bench":
+        lr = FAMILY_LR[args.family]
+    given = {"steps": args.steps, "lr": lr, "family": args.family, "corpus": args.corpus,
+             "schedule": args.schedule}
+    return Shape(**{**asdict(MODELS[args.model]), **{k: v for k, v in given.items() if v is not None}})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    shape = MODELS[args.model]
-    given = {"steps": args.steps, "lr": args.lr, "family": args.family, "corpus": args.corpus,
-             "schedule": args.schedule}
-    shape = Shape(**{**asdict(shape), **{k: v for k, v in given.items() if v is not None}})
+    shape = base_shape(args)
     arms, shapes = select(args, shape)
     alias = same_as(list(arms.values()))
     seeds = list(range(args.seeds or (1 if args.quick else 3)))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.diloco_arm import Arm, Shape
-from benchmarks.diloco_data import CORPORA, FAMILIES, SCHEDULES
+from benchmarks.diloco_data import CORPORA, FAMILIES, FAMILY_LR, SCHEDULES
 
 GAP_GOAL = 0.8  # M = 2, H = 24: share of the alone−dp gap closed
 SLOW_FACTOR = 4
@@ -53,9 +53,11 @@ class Cell:
         would give each fragment only three round trips in 288."""
         return self.m >= 4 or self.h > 24
 
-    def shape(self, base: Shape) -> Shape:
+    def shape(self, base: Shape, *, lr: float | None = None) -> Shape:
+        """The cell's shape: `base` at the cell's family, text, schedule and H, at `lr` if given, else
+        at the family's (FAMILY_LR)."""
         return replace(base, family=self.family, corpus=self.corpus, schedule=self.schedule, h=self.h,
-                       steps=base.steps * (2 if self.long else 1))
+                       steps=base.steps * (2 if self.long else 1), lr=FAMILY_LR[self.family] if lr is None else lr)
 
     def arms(self) -> list[Arm]:
         c, m = self.name, self.m

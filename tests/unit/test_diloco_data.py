@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import diloco_data, diloco_matrix
-from benchmarks.compare_diloco import _same
+from benchmarks.compare_diloco import _same, base_shape, parse
 from benchmarks.diloco_arm import Arm, Shape
 
 
@@ -78,12 +78,22 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
         diloco_matrix.pick("resnet-*")
     long = diloco_matrix.Cell("llama", "code", "cosine", 24, 8).shape(Shape())
     assert (long.steps, long.family, long.corpus, long.schedule) == (576, "llama", "code", "cosine")
+    gpt2 = diloco_matrix.Cell("gpt2", "help", "constant", 24, 2)
+    assert gpt2.shape(Shape()).lr == diloco_data.FAMILY_LR["gpt2"] != long.lr == diloco_data.FAMILY_LR["llama"]
+    assert gpt2.shape(Shape(), lr=1e-3).lr == 1e-3  # --lr wins over the family's
     kinds = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("gpt2", "help", "constant", 24, 2).arms()}
     assert set(kinds) == {"dp", "alone", "yeto", "yeto-unpaced"} and kinds["yeto-unpaced"].unpaced
     slow = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("llama", "code", "constant", 24, 4, True).arms()}
     assert slow["drop"].learners == 3 and slow["drop"].shards == 4
     assert slow["wait"].lockstep_threads and slow["wait"].slow == slow["yeto-slow"].slow == 4
     assert slow["yeto-slow"].fleet_budget and slow["drop"].fleet_budget and not slow["wait"].fleet_budget
+
+
+def test_the_bench_model_of_another_family_takes_that_familys_rate() -> None:
+    assert base_shape(parse(["--family", "gpt2"])).lr == diloco_data.FAMILY_LR["gpt2"]
+    assert base_shape(parse(["--family", "gpt2", "--lr", "1e-3"])).lr == 1e-3
+    assert base_shape(parse([])).lr == Shape().lr == diloco_data.FAMILY_LR["llama"]
+    assert base_shape(parse(["--model", "main", "--family", "gpt2"])).lr == 3e-3  # its own rate
 
 
 def test_baselines_reuse_runs_recorded_before_a_field_was_added() -> None:
