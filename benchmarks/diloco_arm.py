@@ -81,7 +81,7 @@ class Shape:
     seq_len: int = 64
     batch: int = 16  # b: sequences per island and step
     steps: int = 288  # optimizer steps of every arm
-    lr: float = 1.5e-3  # where dp does best at this shape: 1e-3, 2e-3 and 3e-3 gave it 2-8% more loss
+    lr: float = diloco_data.FAMILY_LR["llama"]  # the default family's rate, where its dp does best (FAMILY_LR)
     warmup: int = 20  # then the schedule
     family: str = "llama"  # diloco_data.FAMILIES
     corpus: str = "help"  # diloco_data.CORPORA
