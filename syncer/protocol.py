@@ -114,6 +114,7 @@ class SyncerProtocol:
         self._prepares = bool(settings.iso_devices)
         self._preparing: set[int] = set()  # attempts whose Prepare is out
         self._prepared: set[int] = set()  # attempts whose Prepare is done
+        self._finale_wait = ""  # why the run waits to finalize, as last logged
         self.next_launch = state.next_round if state is not None else 0
         if state is not None:
             if not state.merged_by:  # a checkpoint from before merges were recorded: nothing known
@@ -221,6 +222,7 @@ class SyncerProtocol:
             return
         run.links[ev.learner_id] = link
         run.finished.discard(ev.learner_id)
+        run.away.pop(ev.learner_id, None)
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(run.links))
         run.record({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
         if run.phase is Phase.RUNNING:
@@ -239,6 +241,8 @@ class SyncerProtocol:
         if self.shared.consensus is not None:
             self.shared.consensus.forget(ev.learner_id)
         self.finale.note_departure(link)
+        if not link.said_bye and ev.learner_id not in self.shared.finished:
+            self.shared.away[ev.learner_id] = self.shared.now  # it may come back to train on
         log.info("learner %d left (%s)", ev.learner_id, ev.reason)
         self.shared.record({"event": "left", "learner": ev.learner_id, "generation": ev.generation,
                             "reason": ev.reason})
@@ -378,10 +382,15 @@ class SyncerProtocol:
         assert run.state is not None
         live = self._live()
         done, why = should_finalize(next_round=run.state.next_round, total_rounds=self.settings.total_rounds,
-                                    training=len(live), finished=len(run.finished))
+                                    training=len(live), finished=len(run.finished), away=run.away, now=now,
+                                    rejoin_wait_s=self.settings.rejoin_wait_s)
         if done:
             self.finale.begin(why)
             return
+        if why != self._finale_wait:  # said once, not every turn of the wait
+            self._finale_wait = why
+            if why:
+                log.info("%s", why)
         for attempt in run.rounds.collecting():
             r = attempt.round
             decision = decide_round(now, attempt, live, cfg=self.sched, step_s=self._fleet_step_s(attempt.answers),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 
 import torch
 
@@ -261,10 +262,28 @@ def judge_push(
     return PushFate.CARRY, f"late for round {round_id} attempt {attempt_id} (base lag {lag}): carried"
 
 
-def should_finalize(*, next_round: int, total_rounds: int, training: int, finished: int) -> tuple[bool, str]:
-    """Finalize when the round budget is spent, or when every connected learner has finished."""
+def should_finalize(
+    *, next_round: int, total_rounds: int, training: int, finished: int,
+    away: Mapping[int, float] | None = None, now: float = 0.0, rejoin_wait_s: float = 0.0,
+) -> tuple[bool, str]:
+    """Finalize when the round budget is spent, or when every connected learner has finished and
+    no learner that left while training (``away``: learner id → when it left) may still come back.
+
+    Such a learner (a crash, a stall, a cut link) is waited for until ``rejoin_wait_s`` after it
+    left: finalizing before it reconnects would throw away the steps it has still to train. The
+    reason then says whom the run is waiting for, and later whom it gave up on.
+    """
     if total_rounds and next_round >= total_rounds:
         return True, f"completed {total_rounds} rounds"
-    if finished and not training:
-        return True, f"{finished} learner(s) finished training and none is still training"
-    return False, ""
+    if not finished or training:
+        return False, ""
+    away = away or {}
+    waiting = sorted(lid for lid, left_at in away.items() if now < left_at + rejoin_wait_s)
+    if waiting:
+        return False, (f"every connected learner finished; waiting up to {rejoin_wait_s:g} s from its departure "
+                       f"for learner(s) {', '.join(map(str, waiting))}, which left while training")
+    why = f"{finished} learner(s) finished training and none is still training"
+    if away:
+        why += (f"; learner(s) {', '.join(map(str, sorted(away)))} left while training and did not come back "
+                f"within {rejoin_wait_s:g} s")
+    return True, why

@@ -30,6 +30,7 @@ class RunState:
     links: dict[int, Link] = field(default_factory=dict)  # learner id -> its live connection
     rounds: RoundTable = field(default_factory=RoundTable)
     finished: set[int] = field(default_factory=set)  # learners that said DONE
+    away: dict[int, float] = field(default_factory=dict)  # learners that left while training -> when
     phase: Phase = Phase.WAIT_INIT
     state: SyncerState | None = None  # None until learner 0's manifest (or a checkpoint) pins the model
     layout: Layout | None = None

@@ -353,6 +353,9 @@ class SyncerSettings(BaseSettings):
                                       "round they join")
     init_timeout_s: float = Field(default=600.0, gt=0, le=WEEK_S, description="exit when no INIT arrives by then")
     final_timeout_s: float = Field(default=60.0, gt=0, le=WEEK_S, description="wait for learners to take the final cut")
+    rejoin_wait_s: float = Field(default=60.0, ge=0, le=DAY_S, description="once every connected learner has "
+                                 "finished, wait this long after one left while training (a crash, a cut link) "
+                                 "for it to come back before finalizing without it (0: do not wait)")
     heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control streams")
     peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of a whole handshake, "

@@ -300,3 +300,38 @@ def test_a_learner_sigstopped_mid_round_is_left_behind_then_catches_up(procs: Pr
     assert len(done["generations"]) >= 2 and done["generations"][-1] == rejoin["generation"], done
     counts = assert_counted_once(syncer, {lid: [lp] for lid, lp in enumerate(learners)})
     assert all(counts["computed"][lid][0] > 0 for lid in range(3)), counts
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_killed_as_the_others_finish_is_waited_for_and_trains_into_the_final_cut(
+    procs: Procs, key_file: Path,
+) -> None:
+    """Without a round budget the run ends when the learners finish; one that crashed shortly
+    before must not be dropped from it: the syncer waits `--rejoin-wait-s` for it to come back."""
+    syncer = start_syncer(procs, key_file=key_file, learners=3, fragments=FRAGMENTS,
+                          extra=[*SYNCER_FLAGS, "--rejoin-wait-s", "30"])
+    assert syncer.checkpoint is not None
+    survivors = [start_learner(procs, syncer, key_file, lid, "--deadline-s", "8") for lid in (0, 1)]
+    victim = start_learner(procs, syncer, key_file, VICTIM, "--deadline-s", "60")
+
+    wait_until(lambda: any(VICTIM in c["answered"] for c in syncer.commits()), 20, "the victim to answer a round",
+               on_timeout=procs.tails)
+    victim.sigkill()
+    done = lambda: {r["learner"] for r in syncer.tape_records() if r.get("event") == "done"}  # noqa: E731
+    wait_until(lambda: done() >= {0, 1}, 30, "the other two learners to finish", on_timeout=procs.tails)
+    wait_until(lambda: "waiting up to 30 s" in syncer.proc.stderr(), 5, "the syncer to say whom it waits for",
+               on_timeout=syncer.proc.tail)
+    assert not [r for r in syncer.tape_records() if r.get("event") == "final"], "finalized without the victim"
+    assert f"for learner(s) {VICTIM}, which left while training" in syncer.proc.stderr()
+
+    restarted = start_learner(procs, syncer, key_file, VICTIM, "--deadline-s", "3")
+    assert wait_all([*survivors, restarted], timeout=40) == [0, 0, 0], procs.tails()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    records = syncer.tape_records()
+    (final,) = [r for r in records if r.get("event") == "final"]
+    assert final["reason"] == "3 learner(s) finished training and none is still training", final
+    rejoin = joins(records, VICTIM)[-1]
+    trained = [c for c in commits_in(records[records.index(rejoin):]) if VICTIM in c["answered"]]
+    assert trained, "the restarted learner's steps never reached the global model"
+    assert_final_weights([*survivors, restarted], syncer.checkpoint)
+    assert_counted_once(syncer, {0: [survivors[0]], 1: [survivors[1]], VICTIM: [victim, restarted]})

@@ -8,7 +8,7 @@ from syncer_harness import SyncerUnderTest
 
 from syncer.rounds import RoundState
 from yeto_core.wire.errors import ErrorCode
-from yeto_core.wire.messages import BCAST_MERGED, Error, Pull
+from yeto_core.wire.messages import BCAST_MERGED, Bye, Error, Pull
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -182,6 +182,45 @@ def test_learners_that_finish_end_the_run_and_open_rounds_are_abandoned() -> Non
     assert final["reason"] == "2 learner(s) finished training and none is still training"
     (abandon,) = s.tape.of("abandon")
     assert abandon["round"] == 0 and abandon["reason"] == "finalizing"
+
+
+def test_a_learner_that_crashed_is_waited_for_and_trains_on_when_it_comes_back() -> None:
+    s = SyncerUnderTest(pipeline=1, rejoin_wait_s=60.0)
+    s.start(0, 1)
+    s.leave(1)  # a crash: no goodbye, no DONE
+    s.done(0)
+    s.advance(59.0)
+    assert not s.tape.of("final")  # learner 1 may still come back to train its remaining steps
+    s.join(1)
+    s.advance(120.0)
+    assert not s.tape.of("final")  # it is training again
+    s.done(1)
+    (final,) = s.tape.of("final")
+    assert final["reason"] == "2 learner(s) finished training and none is still training"
+
+
+def test_a_learner_that_crashed_and_stays_away_is_given_up_on_after_the_rejoin_window() -> None:
+    s = SyncerUnderTest(pipeline=1, rejoin_wait_s=60.0)
+    s.start(0, 1)
+    s.leave(1)
+    s.advance(30.0)
+    s.done(0)
+    s.advance(29.0)
+    assert not s.tape.of("final")
+    s.advance(1.0)  # 60 s since learner 1 left
+    (final,) = s.tape.of("final")
+    assert final["reason"] == ("1 learner(s) finished training and none is still training; learner(s) 1 left "
+                               "while training and did not come back within 60 s")
+
+
+def test_a_learner_that_said_goodbye_is_not_waited_for() -> None:
+    s = SyncerUnderTest(pipeline=1, rejoin_wait_s=60.0)
+    s.start(0, 1)
+    s.got(1, Bye("test: stopped on purpose"))
+    s.leave(1)
+    s.done(0)
+    (final,) = s.tape.of("final")
+    assert final["reason"] == "1 learner(s) finished training and none is still training"
 
 
 def test_a_second_process_with_a_held_id_is_refused_and_the_holder_stays() -> None:

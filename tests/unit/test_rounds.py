@@ -4,6 +4,7 @@ The clock is just a number passed in, so grace, deadlines and throttling are tes
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -233,3 +234,19 @@ def test_finalize_rules() -> None:
     done, why = should_finalize(next_round=3, total_rounds=10, training=0, finished=2)
     assert done and "finished training" in why
     assert not should_finalize(next_round=3, total_rounds=0, training=0, finished=0)[0]
+
+
+def test_a_learner_that_left_while_training_is_waited_for_until_its_rejoin_window_ends() -> None:
+    rule = functools.partial(should_finalize, next_round=3, total_rounds=0, training=0, finished=2,
+                             away={2: 100.0}, rejoin_wait_s=60.0)
+    done, why = rule(now=159.0)
+    assert not done and why == ("every connected learner finished; waiting up to 60 s from its departure for "
+                                "learner(s) 2, which left while training")
+    done, why = rule(now=160.0)
+    assert done and why == ("2 learner(s) finished training and none is still training; learner(s) 2 left while "
+                            "training and did not come back within 60 s")
+    assert should_finalize(next_round=3, total_rounds=0, training=0, finished=2, away={2: 100.0}, now=100.0)[0]
+    assert not should_finalize(next_round=3, total_rounds=0, training=1, finished=1, away={2: 0.0}, now=1e9)[0]
+    # The round budget ends the run whoever is away.
+    assert should_finalize(next_round=10, total_rounds=10, training=0, finished=2, away={2: 100.0}, now=100.0,
+                           rejoin_wait_s=60.0) == (True, "completed 10 rounds")
