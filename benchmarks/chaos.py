@@ -88,7 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import chaos_learning
-from benchmarks.chaos_learning import FinalCut, StepBudget, Timing
+from benchmarks.chaos_learning import REJOIN_WAIT_S, FinalCut, StepBudget, Timing
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$")
@@ -218,7 +218,8 @@ class Runner:
         argv = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", str(self.port), "--learners",
                 str(a.learners), "--quorum", str(a.quorum), "--fragments", str(a.fragments), "--sync-interval-steps",
                 str(a.sync_interval), "--device", "cpu", "--checkpoint", str(self.checkpoint), "--checkpoint-every",
-                "1", "--tape", str(self.tape), "--key-file", str(self.key_file), "--final-timeout-s", "10"]
+                "1", "--tape", str(self.tape), "--key-file", str(self.key_file), "--final-timeout-s", "10",
+                "--rejoin-wait-s", str(REJOIN_WAIT_S)]
         if resume:
             argv.append("--resume")
         deadline = time.monotonic() + timeout

@@ -8,13 +8,15 @@ incarnation reads it and goes on from there: the count, the data order and the l
 schedule continue where the killed one got to, while its optimizer state and its steps not yet
 pushed are lost with it.
 
-A syncer finalizes once every learner connected to it has finished, so a learner that is away
-(killed and not yet back) when the others finish would lose the rest of its steps. The faults
-therefore fall in the first `FAULT_SHARE` of the fault-free arm's duration, and a kill is made only
-while it can be made up: a learner only while another learner that is training has more steps
-left than a restart takes (twice the slowest start of the fault-free arm), the syncer only
-while no learner has finished and every one training has more left than the syncer needs to come
-back and be redialed. A fault that does not fit is skipped and named in the notes.
+A syncer finalizes once every learner connected to it has finished and none that left while
+training may still come back (`--rejoin-wait-s`, `REJOIN_WAIT_S` here), so a killed learner that
+is back within that window trains its remaining steps into the final cut. The faults fall in the
+first `FAULT_SHARE` of the fault-free arm's duration, and a kill is made only while it can be made
+up: a learner while another one is training, and its restart (twice the slowest start of the
+fault-free arm) takes less than the rejoin window or than that other learner's steps left; the
+syncer only while no learner has finished and every one training has more left than
+the syncer needs to come back and be redialed. A fault that does not fit is skipped and named in
+the notes.
 
 The final cut's held-out loss is learner 0's: it evaluates the model it installed last. Every
 learner prints a digest of its final parameters, so the harness checks that all of them ended on
@@ -34,6 +36,7 @@ from typing import Any, Protocol
 
 LOSS_GOAL = 1.03  # churn costs at most 3% of the final eval loss at equal tokens
 FAULT_SHARE = 0.8  # of the fault-free arm's duration, from the initial cut
+REJOIN_WAIT_S = 60.0  # the syncer's --rejoin-wait-s: how long it waits for a killed learner at the end
 REDIAL_S = 2.0  # a learner redials a restarted syncer within this (backoff capped at 1 s, then the handshake)
 
 
@@ -147,12 +150,12 @@ class StepBudget:
 
     def targets(self, what: str, running: list[int], learners: Mapping[int, Proc]) -> list[int]:
         """Of the running learners, those a `kill` or `sigstop` may hit now: training, and for a kill
-        only while another learner training now outlasts the target's restart (so the syncer cannot
-        finalize without the target)."""
+        only while another learner is training, and the syncer will wait for the target to be back
+        (its restart is quicker than the rejoin window, or that other learner outlasts it)."""
         now = self.training_now(learners)
         away = self.timing.learner_away_s
         return [lid for lid in running if lid in now
-                and (what != "kill" or any(self.left_s(o) > away for o in now - {lid}))]
+                and (what != "kill" or any(away < REJOIN_WAIT_S or self.left_s(o) > away for o in now - {lid}))]
 
     def may_kill_syncer(self, learners: Mapping[int, Proc]) -> bool:
         """No learner has finished (it would say DONE to the restarted syncer, maybe first), and every
