@@ -308,7 +308,7 @@ def test_a_learner_killed_as_the_others_finish_is_waited_for_and_trains_into_the
 ) -> None:
     """Without a round budget the run ends when the learners finish; one that crashed shortly
     before must not be dropped from it: the syncer waits `--rejoin-wait-s` for it to come back."""
-    # Quorum 1: a crashed learner never lowers the quorum, so at K = M the survivors' last rounds
+    # Quorum 1: a crashed learner never lowers the quorum, so at K > 1 the survivors' last rounds
     # would wait for the victim before they could finish.
     syncer = start_syncer(procs, key_file=key_file, learners=3, quorum=1, fragments=FRAGMENTS,
                           extra=[*SYNCER_FLAGS, "--rejoin-wait-s", "30"])
