@@ -6,8 +6,8 @@ over a time window, or (`--steps N`) the final eval loss of a small language mod
 
 Both arms run in one invocation, fault-free first, then with faults, with the same seed and
 settings. Each arm starts the real syncer (`python -m syncer`, a subprocess on 127.0.0.1, `--port
-0`, `--device cpu`, quorum all M unless `--quorum`, no round budget, `--checkpoint-every 1`, one
-`--tape` file per arm that every incarnation appends to) and M learner processes
+0`, `--device cpu`, the syncer's default quorum unless `--quorum`, no round budget,
+`--checkpoint-every 1`, one `--tape` file per arm that every incarnation appends to) and M learner processes
 (`benchmarks/chaos_learner.py`, each step paced to `--step-s` of wall time, redial backoff capped
 at 1 s): by default a LearnerSession over a small MLP, trained for a window of `--seconds` from
 the initial cut (the tape's `init` record).
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     add = p.add_argument
     add("--seconds", type=float, default=90.0, help="measured window per arm, from the initial cut (default 90)")
     add("--learners", type=int, default=3, help="M, learner processes (default 3)")
-    add("--quorum", type=int, default=0, help="K of the syncer (default 0: all M, the syncer's default)")
+    add("--quorum", type=int, default=0, help="K of the syncer (default 0: the syncer's own, M − ⌊M/4⌋)")
     add("--fragments", type=int, default=4, help="P (default 4)")
     add("--sync-interval", type=int, default=24, help="H, learner steps per fragment round trip (default 24)")
     add("--step-s", type=float, help="wall time of one learner step (default 0.02; with --steps 0.25)")
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so every arm's `finally` stops the processes it started.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     if not 0 <= args.quorum <= args.learners:
-        p.error("--quorum must be in 0..--learners (0: all)")
+        p.error("--quorum must be in 0..--learners (0: the syncer's default)")
     if args.steps < 0:
         p.error("--steps must be >= 0 (0: the goodput window of --seconds)")
     learning = args.steps > 0

@@ -51,6 +51,7 @@ class Commit:
         state.next_round = attempt.round + 1
         run.rounds.commit(attempt.round, reason)
         state.merged_by[f] = (attempt.round, sorted(a.learner_id for a in answers))
+        run.merged_versions.setdefault(f, {}).update((a.learner_id, state.versions[f]) for a in answers)
         for a in answers:
             key = ledger_key(a.learner_id, a.generation)
             state.ledger[key] = state.ledger.get(key, 0) + a.tokens
@@ -66,7 +67,8 @@ class Commit:
             "dropped": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid not in live),
             "base_versions": [a.base_version for a in answers], "grace_ms": round(attempt.grace_s * 1000, 1),
             "weights": [round(w, 6) for w in weights], "tokens": [a.tokens for a in answers],
-            "steps": [a.steps for a in answers], "delta_norms": [round(n, 6) for n in out.delta_norms],
+            "steps": [a.steps for a in answers], "ages": [a.age for a in answers],
+            "delta_norms": [round(n, 6) for n in out.delta_norms],
             "outer_grad_norm": out.outer_grad_norm, "merge_ms": round(out.merge_ms, 3),
             "wait_ms": round((run.now - attempt.launched_at) * 1000, 1), "reason": reason,
         }

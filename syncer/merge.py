@@ -4,7 +4,7 @@ A round hands the syncer one fragment's deltas from M learners as a single ``[M,
 buffer, one row per learner, each row the learner's d = θ_local − anchor laid out as the
 fragment's flat buffer. The math, in the order the coordinator applies it:
 
-1. ``learner_weights`` — w_m = tokens_m² / steps_m, normalised.
+1. ``learner_weights`` — w_m = tokens_m² / steps_m / (1 + age_m), normalised.
 2. ``merge_deltas`` — per tensor (``Segment``) of the fragment, radial-directional averaging
    (``rda``) or, for the embedding fragment, a plain weighted average (``weighted_average``);
    with ``--merge iso``, each merged 2-D matrix then gets a flat spectrum (``syncer.iso``).
@@ -86,23 +86,31 @@ class Flattener(Protocol):
     def flatten(self, matrices: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
 
-def learner_weights(tokens: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
-    """Per-learner merge weights w_m = tokens_m² / steps_m, normalised to sum 1 (float64, CPU).
+def learner_weights(tokens: Sequence[int], steps: Sequence[int], ages: Sequence[int] | None = None) -> torch.Tensor:
+    """Per-learner merge weights w_m = tokens_m² / steps_m / (1 + age_m), normalised to sum 1
+    (float64, CPU).
 
     A learner that processed more tokens per step (a larger effective batch) and more tokens in
-    total counts for more. When no learner reported any tokens, all learners weigh the same.
+    total counts for more. `ages`: how many commits of the fragment a learner's delta missed (its
+    steps were taken on bases that many versions old, then rebased); a stale delta is damped as
+    staleness-aware asynchronous SGD damps a stale gradient, so an island that answers every few
+    rounds with the steps of all of them does not weigh as several fresh answers. When no learner
+    reported any tokens, all learners weigh the same.
     """
-    if len(tokens) != len(steps):
-        raise ValueError(f"learner_weights: {len(tokens)} token counts but {len(steps)} step counts")
+    ages = ages if ages is not None else [0] * len(tokens)
+    if not len(tokens) == len(steps) == len(ages):
+        raise ValueError(f"learner_weights: {len(tokens)} token counts, {len(steps)} step counts, {len(ages)} ages")
     if not tokens:
         raise ValueError("learner_weights: no learners")
     raw: list[float] = []
-    for m, (t, s) in enumerate(zip(tokens, steps, strict=True)):
+    for m, (t, s, age) in enumerate(zip(tokens, steps, ages, strict=True)):
         if s < 1:
             raise ValueError(f"learner_weights: learner {m} reported {s} steps; at least 1 is required")
         if t < 0:
             raise ValueError(f"learner_weights: learner {m} reported {t} tokens; must be >= 0")
-        raw.append(float(t) * float(t) / float(s))
+        if age < 0:
+            raise ValueError(f"learner_weights: learner {m} has age {age}; must be >= 0")
+        raw.append(float(t) * float(t) / float(s) / (1.0 + age))
     total = math.fsum(raw)
     if total == 0.0:
         return torch.full((len(raw),), 1.0 / len(raw), dtype=torch.float64)

@@ -377,9 +377,12 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
         pull_wait = min(setup.queue_s, max(down[kth], syncer_out))
         quorum_at = setup.rtt_s + pull_wait + boundary[kth] / 2 + upload
         grace = 0.0
-        if k < m and any(c > round_s * 1.0001 for c in cycle):  # a member misses rounds: it is waited for
-            grace = min(max(setup.grace_gamma * (setup.grace_tau * answering_step - quorum_at - serial), 0.0),
-                        setup.grace_cap_s)
+        # a member that misses rounds is waited for, unless it is more than τ× slower than the fleet
+        # (rounds.grace_window)
+        if k < m and any(c > round_s * 1.0001 and i.step_s <= setup.grace_tau * answering_step
+                         for c, i in zip(cycle, islands, strict=True)):
+            grace = min(max(setup.grace_gamma * ((depth * every + setup.grace_tau) * answering_step - quorum_at
+                                                 - serial), 0.0), setup.grace_cap_s)
         latency = quorum_at + grace + serial
         # The rounds in flight share the fixed part of a round's latency, but not the link: their
         # pushes queue on it together (a push is out once the kernel holds it), so they commit

@@ -46,6 +46,7 @@ from syncer.plan import (
 )
 from syncer.plan_model import DEFAULT_LORA_TARGETS, MAX_LORA_RANK, PRESETS, load_model
 from syncer.tool_args import ToolParser, one_line
+from yeto_core.settings import default_quorum
 
 MAX_PROBE_MIB = 1024  # yeto_core/wire/messages.py MAX_PROBE_BYTES each way, in MiB
 
@@ -152,7 +153,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
                       merge_bps=args.merge_gbps * 1e9, checkpoint_every=args.checkpoint_every,
                       checkpoint_bps=args.checkpoint_gbps * 1e9, background_checkpoint=args.background_checkpoint,
                       delayed_nesterov=args.delayed_nesterov)
-    quorum = args.quorum or m
+    quorum = args.quorum or default_quorum(m)
     islands = tuple(Island(u, d, s) for u, d, s in zip(ups, downs, steps, strict=True))
     setup = Setup(model, islands, quorum, host, pattern=args.pattern, block=args.push_block, rtt_s=args.rtt_ms / 1000,
                   queue_s=args.queue_ms / 1000, tcp_efficiency=eff)
@@ -293,7 +294,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS), help="projections LoRA adapts")
     links = p.add_argument_group("the islands and their links")
     links.add_argument("--islands", type=int, default=2, help="M, the number of islands (learners)")
-    links.add_argument("--quorum", type=int, default=0, help="K, answers that close a round (0: all M)")
+    links.add_argument("--quorum", type=int, default=0,
+                       help="K, answers that close a round (0: M − ⌊M/4⌋, the syncer's default)")
     links.add_argument("--step-s", help="optimizer step time in seconds, one value or one per island")
     links.add_argument("--tokens-per-step", type=float, help="tokens per step, to show tokens between syncs")
     links.add_argument("--up-mbps", help="island -> syncer line rate, Mbit/s, one value or one per island")

@@ -38,9 +38,12 @@ from syncer.outbox import Outbox
 from syncer.round_merge import fragment_segments
 from syncer.round_table import RoundTable
 from syncer.rounds import (
+    Answer,
     Attempt,
     RoundState,
     Verdict,
+    answer_ages,
+    answer_steps,
     attempt_quorum,
     decide_round,
     fragment_of_round,
@@ -221,6 +224,10 @@ class SyncerProtocol:
             self._refuse(link, ErrorCode.LAYOUT, layout_mismatch(ev.learner_id, ev.fingerprint, run.layout.fingerprint))
             return
         run.links[ev.learner_id] = link
+        if run.state is not None and (before is None or before[0] != ev.instance):
+            # A new process starts from the current state: its first answers are fresh.
+            for f, version in enumerate(run.state.versions):
+                run.merged_versions.setdefault(f, {})[ev.learner_id] = version
         run.finished.discard(ev.learner_id)
         run.away.pop(ev.learner_id, None)
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(run.links))
@@ -391,10 +398,13 @@ class SyncerProtocol:
             self._finale_wait = why
             if why:
                 log.info("%s", why)
+        assert run.layout is not None
+        answering = answer_steps(self.sched.sync_interval_steps, run.layout.num_fragments, self.sched.pipeline)
         for attempt in run.rounds.collecting():
             r = attempt.round
             decision = decide_round(now, attempt, live, cfg=self.sched, step_s=self._fleet_step_s(attempt.answers),
-                                    sync_s=self.commits.sync_s or 0.0)
+                                    sync_s=self.commits.sync_s or 0.0, answer_steps=answering,
+                                    member_step_s=self.intake.step_s)
             if decision.quorum_at is not None:
                 run.rounds.enter_grace(r, quorum_at=decision.quorum_at, grace_s=decision.grace_s,
                                        reason=decision.reason)
@@ -421,10 +431,17 @@ class SyncerProtocol:
                     prepared = last.attempt
                     self._preparing.discard(prepared)
                     self._prepared.discard(prepared)
-                run.emit(Merge(closed.round, f, tuple(last.answers.values()), tuple(self.segments[f]),
+                run.emit(Merge(closed.round, f, self._aged(f, last.answers.values()), tuple(self.segments[f]),
                                prepared=prepared))
                 return  # the rest of the turn comes when the merge is back
         self._maybe_launch(live)
+
+    def _aged(self, fragment: int, answers: Iterable[Answer]) -> tuple[Answer, ...]:
+        """The answers of a round about to merge, with their ages (the same for its Prepare and its
+        Merge: no commit of the fragment comes between them)."""
+        state = self.shared.state
+        assert state is not None
+        return answer_ages(answers, state.versions[fragment], self.shared.merged_versions.get(fragment, {}))
 
     def _prepare_ahead(self) -> None:
         """Ask for the heavy half of every closed round's merge as soon as it closes, unless a
@@ -439,7 +456,7 @@ class SyncerProtocol:
             ready = entry.state is RoundState.CLOSED and a is not None and f not in busy
             if ready and a is not None and a.attempt not in self._preparing:
                 self._preparing.add(a.attempt)
-                run.emit(Prepare(entry.round, a.attempt, f, tuple(a.answers.values()), tuple(self.segments[f])))
+                run.emit(Prepare(entry.round, a.attempt, f, self._aged(f, a.answers.values()), tuple(self.segments[f])))
             busy.add(f)
 
     def _maybe_launch(self, live: dict[int, int]) -> None:

@@ -224,7 +224,7 @@ def _outer_gradient(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The learners' weights and the fragment's outer gradient; `stacked`: the `ordered` deltas
     stacked already, with their `segment_sq_norms`."""
-    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered])
+    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered])
     deltas, sq = stacked if stacked is not None else (_stack(ordered, momentum, workspace), None)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:

@@ -11,9 +11,10 @@ An *attempt* of a round freezes its rendezvous at launch: the members (learner i
 connection generation) and the quorum. Learners that join or reconnect later only count for
 later attempts; a member that disconnects after answering keeps its answer. When quorum is
 reached the round waits an *adaptive grace window* for stragglers, sized to the learners'
-compute slack: γ·(τ·ξ_step − ξ_quorum − ξ_sync), capped by `grace_s`. An attempt whose quorum
-can no longer be reached, or whose deadline passes below quorum, is discarded and the round is
-retried under a new attempt id.
+compute slack: γ·((a + τ)·ξ_step − ξ_quorum − ξ_sync), a the steps a learner takes to answer
+(`answer_steps`), capped by `grace_s`, and none when every straggler is more than τ× slower than
+the fleet. An attempt whose quorum can no longer be reached, or whose deadline passes below quorum,
+is discarded and the round is retried under a new attempt id.
 
 A push that misses its round is *carried* (still encoded) to the fragment's next round when its
 base lags the global version by at most `max_base_lag`; otherwise it is refused with a reason.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -63,6 +64,7 @@ class Answer:
     base_version: int
     carried: bool = False
     at: float = 0.0  # when it arrived (the coordinator's clock)
+    age: int = 0  # commits of its fragment since this learner's last merged answer to it (set for the merge)
 
 
 @dataclasses.dataclass
@@ -120,17 +122,48 @@ def pipeline_depth(pipeline: int, num_fragments: int) -> int:
     return max(1, min(pipeline, num_fragments))
 
 
-def grace_window(*, step_s: float | None, quorum_s: float, sync_s: float, cfg: SchedulerConfig) -> tuple[float, str]:
-    """γ·(τ·ξ_step − ξ_quorum − ξ_sync), clamped to [0, cap]: the slack left before the fast
-    learners would have to wait on this round (Decoupled DiLoCo's adaptive grace)."""
+def answer_ages(answers: Iterable[Answer], version: int, merged: Mapping[int, int]) -> tuple[Answer, ...]:
+    """`answers` to a round of a fragment now at `version`, each with its age: the commits of the
+    fragment since the one that merged that learner's last answer (`merged`: learner -> the version
+    that commit made). An island that answers every round is 0; one that missed k rounds, its
+    steps taken on bases up to k versions old and rebased forward, is k. A learner with no answer
+    merged yet counts as fresh."""
+    return tuple(dataclasses.replace(a, age=max(0, version - merged.get(a.learner_id, version))) for a in answers)
+
+
+def answer_steps(sync_interval_steps: int, num_fragments: int, pipeline: int) -> int:
+    """Inner steps a learner at the fleet's pace may take to answer a round: it answers one PULL
+    per boundary, a boundary every b = ⌊H/P⌋ steps (the learner's own rule), oldest round first,
+    and up to `pipeline` rounds are in flight, so an answer comes within depth·b steps of its
+    launch. 0 when the syncer does not pace rounds (H = 0)."""
+    if sync_interval_steps <= 0:
+        return 0
+    return pipeline_depth(pipeline, num_fragments) * max(1, sync_interval_steps // num_fragments)
+
+
+def grace_window(*, step_s: float | None, quorum_s: float, sync_s: float, cfg: SchedulerConfig,
+                 answer_steps: int = 0, pending_step_s: Sequence[float | None] = ()) -> tuple[float, str]:
+    """γ·((a + τ)·ξ_step − ξ_quorum − ξ_sync), clamped to [0, cap]: the slack left before the round
+    runs more than τ steps past the time a member at the fleet's pace needs to answer it, a =
+    `answer_steps` (Decoupled DiLoCo's adaptive grace, counted from the launch: here an answer
+    waits for its learner's boundary, and the quorum's own wait for boundaries is not lateness).
+
+    `pending_step_s` holds the pending members' own step times (None: not known yet). A member more
+    than τ× slower than the fleet is not expected in the window; when every pending member is such
+    a one, there is no grace: the round does not wait for an island that answers every few rounds."""
     if cfg.grace_cap_s <= 0:
         return 0.0, "grace disabled"
     if step_s is None:
         return 0.0, "no step-time estimate yet"
-    raw = cfg.grace_gamma * (cfg.grace_tau * step_s - quorum_s - sync_s)
+    known = [s for s in pending_step_s if s is not None]
+    if pending_step_s and len(known) == len(pending_step_s) and min(known) > cfg.grace_tau * step_s:
+        return 0.0, (f"no grace: every straggler is more than {cfg.grace_tau:g}× slower than the fleet "
+                     f"({min(known) * 1000:.0f} against {step_s * 1000:.0f} ms a step)")
+    raw = cfg.grace_gamma * ((answer_steps + cfg.grace_tau) * step_s - quorum_s - sync_s)
     grace = min(max(raw, 0.0), cfg.grace_cap_s)
-    return grace, (f"grace {grace * 1000:.0f} ms = clamp({cfg.grace_gamma:g}·({cfg.grace_tau:g}·{step_s * 1000:.0f} − "
-                   f"{quorum_s * 1000:.0f} − {sync_s * 1000:.0f}) ms, cap {cfg.grace_cap_s * 1000:.0f})")
+    return grace, (f"grace {grace * 1000:.0f} ms = clamp({cfg.grace_gamma:g}·(({answer_steps} + {cfg.grace_tau:g})·"
+                   f"{step_s * 1000:.0f} − {quorum_s * 1000:.0f} − {sync_s * 1000:.0f}) ms, "
+                   f"cap {cfg.grace_cap_s * 1000:.0f})")
 
 
 def round_interval(step_s: float | None, num_fragments: int, cfg: SchedulerConfig) -> float:
@@ -167,11 +200,12 @@ def should_launch(
 
 def decide_round(
     now: float, attempt: Attempt, live: dict[int, int], *, cfg: SchedulerConfig, step_s: float | None,
-    sync_s: float,
+    sync_s: float, answer_steps: int = 0, member_step_s: Mapping[int, float] | None = None,
 ) -> Decision:
     """Decide an attempt, changing nothing. `live` maps learner id -> generation of learners still
     connected and still training; a member is pending only while its frozen generation is live
-    and it has no fresh answer."""
+    and it has no fresh answer. `step_s` is the fleet's ξ_step, `member_step_s` each learner's own
+    (the grace does not wait for members far slower than the fleet)."""
     counted = attempt.counted(cfg.carry_counts)
     pending = [lid for lid, gen in attempt.members.items()
                if live.get(lid) == gen and (lid not in attempt.answers or attempt.answers[lid].carried)]
@@ -182,7 +216,9 @@ def decide_round(
         quorum_at, grace_s, first = attempt.quorum_at, attempt.grace_s, attempt.quorum_at is None
         if quorum_at is None:
             quorum_at = now
-            grace_s, _ = grace_window(step_s=step_s, quorum_s=now - attempt.launched_at, sync_s=sync_s, cfg=cfg)
+            own = member_step_s or {}
+            grace_s, _ = grace_window(step_s=step_s, quorum_s=now - attempt.launched_at, sync_s=sync_s, cfg=cfg,
+                                      answer_steps=answer_steps, pending_step_s=[own.get(lid) for lid in pending])
         new = {"quorum_at": quorum_at, "grace_s": grace_s} if first else {}
         if now >= quorum_at + grace_s:
             return Decision(Verdict.COMMIT, f"quorum {attempt.quorum} reached with {counted} of {total} members; "

@@ -31,6 +31,10 @@ class RunState:
     rounds: RoundTable = field(default_factory=RoundTable)
     finished: set[int] = field(default_factory=set)  # learners that said DONE
     away: dict[int, float] = field(default_factory=dict)  # learners that left while training -> when
+    # fragment -> learner -> the version its last merged answer made (or it started from, on a
+    # learner process's first join): how stale its next answer is (`answer_ages`). Not durable: a
+    # restarted syncer counts every learner's next answer as fresh.
+    merged_versions: dict[int, dict[int, int]] = field(default_factory=dict)
     phase: Phase = Phase.WAIT_INIT
     state: SyncerState | None = None  # None until learner 0's manifest (or a checkpoint) pins the model
     layout: Layout | None = None

@@ -273,6 +273,13 @@ class LearnerSettings(BaseSettings):
         return faults.FaultInjector(self.fault) if self.fault else faults.NO_FAULTS
 
 
+def default_quorum(learners: int) -> int:
+    """K when none is set: M − ⌊M/4⌋. Up to three learners every round waits for all; from four on,
+    a quarter may miss a round, so one slow or stalled island does not pace the rest (the grace
+    still waits for members near the fleet's pace, DESIGN §4.4)."""
+    return learners - learners // 4
+
+
 class SyncerSettings(BaseSettings):
     """The syncer service (`YETO_SYNCER_*`; command-line flags win)."""
 
@@ -282,7 +289,8 @@ class SyncerSettings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=7070, ge=0, lt=65536, description="port to listen on (0 picks a free one)")
     learners: int = Field(default=2, ge=1, le=MAX_LEARNERS, description="M: expected number of learners")
-    quorum: int = Field(default=0, ge=0, le=MAX_LEARNERS, description="K: answers that close a round (0 = all M)")
+    quorum: int = Field(default=0, ge=0, le=MAX_LEARNERS, description="K: answers that close a round (0 = "
+                        "M − ⌊M/4⌋: all of up to 3 learners, 3 of 4, 6 of 8)")
     fragments: int = Field(default=4, ge=1, le=MAX_FRAGMENTS, description="P: fragments the model is split into")
     pattern: Literal["binpack", "strided"] = Field(default="binpack", description="fragment layout")
     total_rounds: int = Field(default=0, ge=0, le=MAX_ROUNDS, description="fragment rounds before finalization "
@@ -417,7 +425,7 @@ class SyncerSettings(BaseSettings):
 
     @property
     def effective_quorum(self) -> int:
-        return self.quorum or self.learners
+        return self.quorum or default_quorum(self.learners)
 
     def read_key(self, *, key_file_flag: bool = False) -> bytes:
         """`key_file_flag`: the file came from `--key-file`, and errors say so."""

@@ -73,6 +73,54 @@ def test_a_straggler_that_answers_in_grace_ends_it_early() -> None:
     assert commit["reason"] == "3 of 3 members answered (quorum 2)" and commit["waited_for"] == [2]
 
 
+def test_grace_counts_from_the_launch_the_wait_for_the_members_boundaries() -> None:
+    # H = 8 over 2 fragments, one round in flight: a learner answers at its next boundary, up to 4
+    # steps after a launch.
+    s = SyncerUnderTest(learners=3, quorum=2, pipeline=1, grace_s=10.0, sync_interval_steps=8)
+    s.start(0, 1, 2)
+    pull = first_pull(s, 0)
+    s.advance(3.0)  # the quorum comes 3 s (three steps) after the launch: members' boundaries, not lateness
+    s.push(0, pull, 1.0, step_s=1.0)
+    s.push(1, pull, 1.0, step_s=1.0)
+    assert s.round_state(0) is S.GRACE  # γ·((4 + τ)·1 s − 3 s − 0) = 3 s of grace for learner 2
+    s.advance(2.9)
+    assert s.round_state(0) is S.GRACE
+    s.advance(0.2)
+    (commit,) = s.tape.of("commit")
+    assert commit["grace_ms"] == 3000.0 and commit["not_waited_for"] == [2]
+
+
+def test_a_straggler_far_slower_than_the_fleet_is_not_waited_for() -> None:
+    s = SyncerUnderTest(learners=3, quorum=2, pipeline=1, grace_s=10.0, sync_interval_steps=8)
+    s.start(0, 1, 2)
+    pull = first_pull(s, 0)
+    for lid, step_s in ((0, 1.0), (1, 1.0), (2, 4.0)):  # learner 2 trains at a quarter of the others' speed
+        s.push(lid, pull, 1.0, step_s=step_s)
+    assert s.round_state(0) is S.COMMITTED
+    s.advance(4.0)  # one round per (H/P)·ξ_step
+    pull = first_pull(s, 0, 1)
+    s.push(0, pull, 1.0, step_s=1.0)
+    s.push(1, pull, 1.0, step_s=1.0)
+    commit = s.tape.of("commit")[-1]  # at once: 4 s a step is more than τ = 2 times the fleet's 1 s
+    assert commit["round"] == 1 and commit["grace_ms"] == 0.0 and commit["not_waited_for"] == [2]
+
+
+def test_an_answer_after_missed_rounds_weighs_less_for_its_age() -> None:
+    s = SyncerUnderTest(learners=3, quorum=2, pipeline=1, grace_s=5.0, sync_interval_steps=0)
+    s.start(0, 1, 2)
+    for r in range(2):  # learner 2 misses round 0 (fragment 0) and round 1 (fragment 1)
+        pull = first_pull(s, 0, r)
+        s.push(0, pull, 1.0, step_s=1.0)
+        s.push(1, pull, 1.0, step_s=1.0)
+        s.advance(2.1)  # the grace, 2 s, runs out
+    pull = first_pull(s, 0, 2)  # fragment 0 again: learner 2 answers with its progress since the start
+    for lid in (0, 1, 2):
+        s.push(lid, pull, 1.0, step_s=1.0)
+    commit = s.tape.of("commit")[-1]
+    assert commit["round"] == 2 and commit["learners"] == [0, 1, 2] and commit["ages"] == [0, 0, 1]
+    assert commit["weights"] == pytest.approx([0.4, 0.4, 0.2])  # equal tokens and steps; 1/(1 + 1) for learner 2
+
+
 def test_the_rendezvous_is_frozen_at_launch() -> None:
     s = SyncerUnderTest(learners=3, quorum=2, pipeline=1)
     s.start(0, 1)  # learner 2 is not there when round 0 launches

@@ -126,10 +126,20 @@ def test_learner_weights_refuse_bad_steps(steps: list[int]) -> None:
 def test_learner_weights_refuse_negative_tokens_and_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="learner 1 reported -5 tokens"):
         learner_weights([1, -5], [1, 1])
-    with pytest.raises(ValueError, match="2 token counts but 3 step counts"):
-        learner_weights([1, 2], [1, 1, 1])
+    with pytest.raises(ValueError, match="2 token counts, 3 step counts, 2 ages"):
+        learner_weights([1, 2], [1, 1, 1], [0, 0])
     with pytest.raises(ValueError, match="no learners"):
         learner_weights([], [])
+    with pytest.raises(ValueError, match="learner 0 has age -1"):
+        learner_weights([1, 2], [1, 1], [-1, 0])
+
+
+def test_a_stale_answer_is_damped_by_one_plus_its_age() -> None:
+    fresh = learner_weights([100, 100, 200], [10, 10, 20])  # the third: two rounds' steps and tokens
+    assert fresh.tolist() == pytest.approx([0.25, 0.25, 0.5])
+    aged = learner_weights([100, 100, 200], [10, 10, 20], [0, 0, 1])  # ... because it missed one commit
+    assert aged.tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    assert learner_weights([100, 100], [10, 10], [0, 0]).tolist() == learner_weights([100, 100], [10, 10]).tolist()
 
 
 # ---- norms --------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from syncer.rounds import (
     RoundState,
     SchedulerConfig,
     Verdict,
+    answer_ages,
+    answer_steps,
     attempt_quorum,
     decide_round,
     fragment_of_round,
@@ -116,6 +118,46 @@ def test_grace_is_capped_and_never_negative() -> None:
     assert grace_window(step_s=1.0, quorum_s=0.0, sync_s=0.0, cfg=NO_GRACE) == (0.0, "grace disabled")
 
 
+def test_grace_counts_the_boundary_wait_of_an_answer_as_on_time() -> None:
+    # a = 6 steps to answer: a member at the fleet's pace answers within 6 s of the launch.
+    grace, why = grace_window(step_s=1.0, quorum_s=3.0, sync_s=0.5, cfg=CFG, answer_steps=6)
+    assert grace == pytest.approx(4.5)  # 1.0 · ((6 + 2) · 1.0 − 3.0 − 0.5)
+    assert "((6 + 2)·1000 − 3000 − 500) ms" in why
+
+
+def test_no_grace_when_every_straggler_is_far_slower_than_the_fleet() -> None:
+    def window(*pending: float | None) -> float:
+        return grace_window(step_s=1.0, quorum_s=4.0, sync_s=0.0, cfg=CFG, answer_steps=6, pending_step_s=pending)[0]
+
+    assert window(4.0) == 0.0  # a quarter of the fleet's speed: it answers every few rounds, carried
+    assert window(4.0, 2.5) == 0.0
+    assert window(4.0, 1.5) == pytest.approx(4.0)  # one straggler near the fleet's pace is waited for
+    assert window(2.0) == pytest.approx(4.0)  # τ = 2 times slower still is
+    assert window(None) == pytest.approx(4.0)  # a speed not known yet is given the benefit of the doubt
+    _, why = grace_window(step_s=1.0, quorum_s=1.0, sync_s=0.0, cfg=CFG, answer_steps=6, pending_step_s=[4.0])
+    assert "more than 2× slower" in why
+
+
+def test_decide_round_asks_each_pending_members_own_speed() -> None:
+    live = {0: 1, 1: 1, 2: 1}
+    slow = attempt({0: 1, 1: 1, 2: 1}, 2, (0, 1))
+    d = decide_round(1.0, slow, live, cfg=CFG, step_s=1.0, sync_s=0.0, answer_steps=6,
+                     member_step_s={0: 1.0, 1: 1.0, 2: 4.0})
+    assert d.verdict is Verdict.COMMIT and d.grace_s == 0.0
+    near = attempt({0: 1, 1: 1, 2: 1}, 2, (0, 1))
+    d = decide_round(1.0, near, live, cfg=CFG, step_s=1.0, sync_s=0.0, answer_steps=6,
+                     member_step_s={0: 1.0, 1: 1.0, 2: 1.2})
+    assert d.verdict is Verdict.WAIT and d.grace_s == pytest.approx(5.0)  # capped
+
+
+@pytest.mark.parametrize(("h", "p", "pipeline", "a"), [(24, 4, 2, 12), (96, 4, 2, 48), (24, 4, 1, 6),
+                                                       (3, 4, 2, 2), (24, 1, 2, 24), (0, 4, 2, 0)])
+def test_an_answer_takes_a_boundary_per_round_in_flight(h: int, p: int, pipeline: int, a: int) -> None:
+    # one PULL answered per boundary (every ⌊H/P⌋ steps, at least 1), oldest first, at most
+    # min(pipeline, P) rounds in flight
+    assert answer_steps(h, p, pipeline) == a
+
+
 def test_grace_waits_for_a_straggler_then_commits_without_it() -> None:
     a = attempt({0: 1, 1: 1, 2: 1}, 2, (0, 1))
     live = {0: 1, 1: 1, 2: 1}
@@ -133,6 +175,15 @@ def test_grace_ends_early_when_the_straggler_answers() -> None:
     assert decide(0.5, a, live, cfg=CFG, step_s=1.0)[0] is Verdict.WAIT
     a.answers[2] = Answer(2, 1, 10, 1, torch.zeros(2), base_version=1)
     assert decide(0.6, a, live, cfg=CFG, step_s=1.0)[0] is Verdict.COMMIT
+
+
+# -- the age of an answer ----------------------------------------------------------------------
+def test_an_answers_age_counts_the_commits_it_missed() -> None:
+    a = attempt({0: 1, 1: 1, 2: 1, 3: 1}, 2, (0, 1, 2, 3))
+    merged = {0: 5, 1: 4, 2: 2}  # learner 3: no answer merged yet
+    aged = answer_ages(a.answers.values(), 5, merged)
+    assert [(x.learner_id, x.age) for x in aged] == [(0, 0), (1, 1), (2, 3), (3, 0)]
+    assert all(x.delta is y.delta for x, y in zip(aged, a.answers.values(), strict=True))  # not copied
 
 
 # -- carried answers ---------------------------------------------------------------------------

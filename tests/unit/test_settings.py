@@ -81,6 +81,12 @@ def test_syncer_quorum_cannot_exceed_learners(monkeypatch: pytest.MonkeyPatch) -
     assert load_settings(SyncerSettings, learners=3, quorum=0).effective_quorum == 3
 
 
+@pytest.mark.parametrize(("learners", "quorum"), [(1, 1), (2, 2), (3, 3), (4, 3), (5, 4), (8, 6), (16, 12)])
+def test_the_default_quorum_lets_a_quarter_of_the_fleet_miss_a_round(learners: int, quorum: int) -> None:
+    assert load_settings(SyncerSettings, learners=learners).effective_quorum == quorum
+    assert load_settings(SyncerSettings, learners=learners, quorum=learners).effective_quorum == learners
+
+
 @pytest.mark.parametrize(("text", "expected"), [("a:1", ("a", 1)), ("[::1]:7000", ("::1", 7000)),
                                                  ("10.0.0.1:65535", ("10.0.0.1", 65535))])
 def test_parse_address(text: str, expected: tuple[str, int]) -> None:
