@@ -181,6 +181,7 @@ class Runner:
         self.limit = self.budget.limit if self.budget else args.seconds
         self.key_file = workdir / "syncer.key"
         self.key_file.write_text(secrets.token_hex(32))
+        self.key_file.chmod(0o600)  # a key file others may read is warned about
         self.tape = workdir / "tape.jsonl"
         self.checkpoint = workdir / "syncer.safetensors"
         self.children: list[Child] = []

@@ -245,6 +245,7 @@ class Run:
         threaded = arm.unpaced or arm.lockstep_threads
         key_file = self.workdir / f"{arm.name}-seed{self.seed}.key"
         key_file.write_text(secrets.token_hex(32))
+        key_file.chmod(0o600)  # a key file others may read is warned about
         Path(self.workdir / f"{arm.name}-seed{self.seed}.tape").unlink(missing_ok=True)
         prefix = self.workdir / f"{arm.name}-seed{self.seed}"
         # Lockstep: every learner answers every round, launched as soon as asked. Unpaced: the

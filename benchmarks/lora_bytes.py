@@ -31,6 +31,7 @@ LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$", re.M)
 def run(tmp: Path, tag: str, args: argparse.Namespace, lora_r: int) -> dict[str, float]:
     key = tmp / "key"
     key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)  # a key file others may read is warned about
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
     ckpt = tmp / f"{tag}.safetensors"
     syncer = subprocess.Popen([sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", "2",

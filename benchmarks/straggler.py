@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         key_file = workdir / "syncer.key"
         key_file.write_text(secrets.token_hex(32))
+        key_file.chmod(0o600)  # a key file others may read is warned about
         print(f"3 islands, learner 2 steps {args.slowdown:g}x slower ({args.fast_step_ms:g} ms vs "
               f"{args.fast_step_ms * args.slowdown:g} ms); H={SYNC_INTERVAL}, P={FRAGMENTS}; "
               f"{args.seconds:g} s per arm",

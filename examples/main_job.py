@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     (run / "key").write_text(secrets.token_hex(32))
+    (run / "key").chmod(0o600)  # a key file others may read is warned about
     t0 = time.monotonic()
     alone = " and one island alone" if args.baseline else ""
     print(f"yeto main job: a syncer, {LEARNERS} HF learners{alone} on this machine (logs in {run})", flush=True)
