@@ -161,5 +161,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_rank(code: int) -> None:
+    """End a torchrun rank without the interpreter's teardown, once atexit has run.
+
+    At finalization a gloo worker thread that drops the last reference to a collective's tensor
+    must take the GIL; Python ends such a thread with pthread_exit, whose unwinding through
+    torch's noexcept code aborts the rank ("terminate called without an active exception") after
+    its work is done and saved (pytorch/pytorch PR 179291 describes it). Skipping finalization
+    skips that race; the output is flushed first."""
+    import atexit
+    import logging
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads end as at a normal exit
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_rank(status)
+    sys.exit(status)
