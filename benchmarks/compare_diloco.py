@@ -435,8 +435,10 @@ def train_all(jobs: list[Arm], shapes: dict[str, Shape], seeds: list[int], args:
             with lock:
                 runs[arm.name].extend(results)
             losses = ", ".join(f"{r['final_loss']:.4f}" for r in results)
+            trips = [r["round_trip_steps"] for r in results if r.get("round_trip_steps") is not None]
+            trip = f", round trip {', '.join(f'{t:.1f}' for t in trips)} steps" if trips else ""
             print(f"[{done:2d}/{len(jobs)} {time.monotonic() - t0:6.0f}s] {arm.name:<18} eval loss {losses} "
-                  f"({sum(r['wall_s'] for r in results):.0f} s)", flush=True)
+                  f"({sum(r['wall_s'] for r in results):.0f} s{trip})", flush=True)
     for rs in runs.values():
         rs.sort(key=lambda r: r["seed"])
     return runs, failures

@@ -293,7 +293,7 @@ class Run:
                 "rounds": len(commits), "pushes": sum(session.stats.pushes for session in sessions),
                 "bytes_pushed": sum(session.stats.bytes_pushed for session in sessions),
                 "island_steps": [session.stats.steps for session in sessions], "train_s": round(train_s, 2),
-                "wall_curve": self.wall_curve}
+                "round_trip_steps": round_trip_steps(sessions), "wall_curve": self.wall_curve}
 
     def _lockstep(self, trainees: list[Trainee], sessions: list[Any], viewer: torch.nn.Module) -> Trained:
         """Every island's step k, in island order, on this thread: reproducible bit for bit."""
@@ -384,6 +384,12 @@ def together(calls: list[Callable[[], Any]], timeout_s: float = 600) -> list[Any
     if errors:
         raise errors[0]
     return results
+
+
+def round_trip_steps(sessions: list[Any]) -> float | None:
+    """Mean steps an island trained from a push to the install of its round's merge (lockstep: 1)."""
+    trips = sum(session.stats.round_trips for session in sessions)
+    return round(sum(session.stats.round_trip_steps for session in sessions) / trips, 2) if trips else None
 
 
 def read_tape(path: Path) -> list[dict[str, Any]]:

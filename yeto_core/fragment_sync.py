@@ -101,9 +101,15 @@ class FragmentSync:
                 self.stats.bytes_pushed += job.nbytes
         return bool(self.queued)
 
-    def pushes_merged(self) -> bool:
-        """Every push sent has had its round's BCAST arrive (or installed)."""
-        return all(f.sent is None or f.bcast_arrived_after(f.sent.base_version) for f in self.fragments)
+    def pushes_merged(self, skip: Collection[int] = ()) -> bool:
+        """Every push sent has had its round's BCAST arrive (or installed), those of `skip` aside."""
+        return all(f.sent is None or f.bcast_arrived_after(f.sent.base_version)
+                   for i, f in enumerate(self.fragments) if i not in skip)
+
+    def recent_pushes(self, steps: int) -> set[int]:
+        """The fragments whose push in flight was computed fewer than `steps` steps ago."""
+        return {i for i, f in enumerate(self.fragments)
+                if f.sent is not None and f.sent_marks is not None and self.stats.steps - f.sent_marks[1] < steps}
 
     def pull_answerable(self) -> bool:
         """No push is streaming and a held PULL can be answered with the installed anchors."""
@@ -217,6 +223,9 @@ class FragmentSync:
                 state.version = msg.version
                 self.stats.installs += 1
             if sent is not None and state.version > sent.base_version:
+                if state.sent_marks is not None:  # how far training ran ahead of this round
+                    self.stats.round_trips += 1
+                    self.stats.round_trip_steps += self.stats.steps - state.sent_marks[1]
                 state.forget_push()  # its round committed
                 # Steps trained between the push and this install belong to the next push of this
                 # fragment: each step is counted once per fragment, however long the round took.

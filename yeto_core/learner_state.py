@@ -73,6 +73,8 @@ class LearnerStats:
     replays: int = 0  # pushes sent again, unchanged, when the syncer re-pulled their round
     nonfinite_deltas: int = 0  # pulls not answered: θ − anchor held NaN or Inf
     installs: int = 0
+    round_trips: int = 0  # pushes whose round's BCAST was installed (committed with or without them)
+    round_trip_steps: int = 0  # summed over those: steps trained from the push to that install
     rebases: int = 0  # overlap installs that dropped a merged push from θ (Mix1)
     blocked_s: float = 0.0  # time steps waited for blocking fragments (Mix2)
     lockstep_misses: int = 0  # lockstep waits that ran out of time: the schedule was no longer pinned

@@ -183,6 +183,8 @@ def test_an_island_serves_its_own_metrics_when_asked(procs: Procs, key_file: Pat
         assert metrics[("yeto_learner_pushes_total", mine)] == stats.pushes > 0
         assert metrics[("yeto_learner_pushed_bytes_total", mine)] == stats.bytes_pushed > 0
         assert metrics[("yeto_learner_installs_total", mine)] == stats.installs > 0
+        assert metrics[("yeto_learner_round_trip_steps_total", mine)] == stats.round_trip_steps
+        assert metrics[("yeto_learner_round_trips_total", mine)] == stats.round_trips > 0
         assert metrics[("yeto_learner_final_installed", mine)] == 1.0
     finally:
         island.close()

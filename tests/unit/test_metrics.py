@@ -95,8 +95,8 @@ def test_an_islands_collector_reads_its_stats_when_scraped() -> None:
     from yeto_core.learner_metrics import LearnerCollector
     from yeto_core.learner_state import LearnerStats
 
-    stats = LearnerStats(steps=12, tokens=768, pushes=3, bytes_pushed=4096, installs=5, consensus_js=None,
-                         fragment_l2=[0.5, None, 0.25])
+    stats = LearnerStats(steps=12, tokens=768, pushes=3, bytes_pushed=4096, installs=5, round_trips=2,
+                         round_trip_steps=9, consensus_js=None, fragment_l2=[0.5, None, 0.25])
     registry = CollectorRegistry()
     registry.register(LearnerCollector(lambda: stats, 7))
     stats.steps = 13  # read when scraped, not when registered
@@ -107,6 +107,8 @@ def test_an_islands_collector_reads_its_stats_when_scraped() -> None:
     assert samples[("yeto_learner_tokens_total", me)] == 768
     assert samples[("yeto_learner_pushed_bytes_total", me)] == 4096
     assert samples[("yeto_learner_final_installed", me)] == 0
+    assert samples[("yeto_learner_round_trips_total", me)] == 2
+    assert samples[("yeto_learner_round_trip_steps_total", me)] == 9
     assert ("yeto_learner_consensus_js", me) not in samples  # no figure yet: no sample
     assert samples[("yeto_learner_fragment_l2", (("fragment", "0"), ("learner", "7")))] == 0.5
     assert ("yeto_learner_fragment_l2", (("fragment", "1"), ("learner", "7"))) not in samples

@@ -79,6 +79,8 @@ def test_rebasing_counts_every_step_once_and_keeps_what_trained_after_the_push()
     job1 = fed.jobs[1]
     assert torch.equal(job1.delta, steps_sum(3, 6)) and job1.steps == 4 and job1.tokens == 40
     assert fed.session.stats.rebases == 1
+    # Steps 3-6 trained between round 0's push and the install of its merge.
+    assert (fed.session.stats.round_trips, fed.session.stats.round_trip_steps) == (1, 4)
     # Every step so far went out in exactly one push.
     assert sum(j.steps for j in fed.jobs) == fed.step == 6
     assert torch.equal(sum((j.delta for j in fed.jobs), torch.zeros(N)), steps_sum(1, 6))
@@ -99,6 +101,7 @@ def test_a_round_that_did_not_merge_the_push_keeps_its_progress_for_the_next_pus
     job1 = fed.jobs[1]
     assert torch.equal(job1.delta, steps_sum(1, 4)) and job1.steps == 4  # nothing lost, nothing twice
     assert fed.session.stats.rebases == 0
+    assert (fed.session.stats.round_trips, fed.session.stats.round_trip_steps) == (1, 2)  # committed without it
 
 
 def test_without_overlap_the_install_blends() -> None:
