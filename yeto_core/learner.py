@@ -24,7 +24,8 @@ once per optimizer step. The session never blocks a step on the network:
   anchor becomes Θ. The very first cut overwrites, so every learner starts from learner 0's
   initial weights.
 * **Lockstep** (`lockstep`, for reproducible experiments). Boundary k waits for the PULL of
-  round k, and the next step waits for that round's BCAST: the schedule is a function of steps.
+  round k, and the next step (or the `lockstep_round_trip`-th, at most H/P) waits for that round's
+  BCAST and installs it: the schedule is a function of steps.
 * **Finalization.** When all P FINAL cuts are in, they are installed exactly (no blending) and
   `step` returns True: training ends at that step, and every learner holds the syncer's bits.
   A learner that reaches its own step limit first sends DONE and waits (with a deadline) for
@@ -297,12 +298,14 @@ class LearnerSession:
         self.sync.push_in_flight()  # a push that went out since the last step is counted now
         if self.settings.sweeps:  # RL: weights change only between iterations, at the sweep
             return False
-        if self.settings.lockstep:  # the merge of the last boundary's push is installed at this step
-            self._lockstep_wait(self.sync.pushes_merged, "the merge of this island's last push")
+        held: Collection[int] = ()
+        if self.settings.lockstep:  # a push's merge is installed `lockstep_round_trip` steps after it
+            held = self.sync.recent_pushes(min(self.settings.lockstep_round_trip, self.boundary_every))
+            self._lockstep_wait(lambda: self.sync.pushes_merged(skip=held), "the merge of this island's last push")
         if self.final_ready:
             self._install_final()
             return True
-        self.sync.install_bcasts()
+        self.sync.install_bcasts(hold=held)
         self.consensus.after_installs(self.stats.installs, sum(f.version for f in self.fragments if f.version > 0),
                                       self.stats.steps, self.link.send_probe)
         if self.stats.steps % self.boundary_every == 0:

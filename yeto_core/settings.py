@@ -198,6 +198,9 @@ class LearnerSettings(BaseSettings):
                            "step, waiting for both; every island then waits for the slowest")
     lockstep_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S,
                                       description="lockstep: longest wait for a pull or a merge before training on")
+    lockstep_round_trip: int = Field(default=1, ge=1, le=10_000, description="lockstep: the steps from a push to "
+                                     "the install of its round's merge (capped at H/P); set to the mean round trip "
+                                     "an unpaced run measures, it reproduces that run's staleness step for step")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
     rl_mode: Literal["stream", "sweep", "overlap"] = Field(
         default="stream", description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer "

@@ -28,7 +28,9 @@ STEPS = 31  # not a multiple of the boundary: a step is trained after the last o
 H = 8  # with 4 fragments, a boundary every 2 steps
 
 
-def run(procs: Procs, key_file: Path, tag: str, **settings: Any) -> tuple[dict[str, torch.Tensor], Any, list]:
+def run(procs: Procs, key_file: Path, tag: str, trips: list[float] | None = None,
+        **settings: Any) -> tuple[dict[str, torch.Tensor], Any, list]:
+    """One lockstep run; `trips` gets each island's mean round trip in steps."""
     syncer = start_syncer(procs, key_file=key_file, tape_name=f"{tag}.jsonl", checkpoint_name=f"{tag}.safetensors",
                           extra=["--sync-interval-steps", "0", "--pipeline", "2"])
     islands = [SeededIsland(syncer, key_file, i, lockstep=True, sync_interval=H, lockstep_timeout_s=30,
@@ -50,6 +52,8 @@ def run(procs: Procs, key_file: Path, tag: str, **settings: Any) -> tuple[dict[s
             t.join(60)
         assert done == [True, True], syncer.proc.tail()
         assert [i.session.stats.lockstep_misses for i in islands] == [0, 0]
+        if trips is not None:
+            trips.extend(i.session.stats.round_trip_steps / i.session.stats.round_trips for i in islands)
     finally:
         for island in islands:
             island.close()
@@ -60,7 +64,9 @@ def run(procs: Procs, key_file: Path, tag: str, **settings: Any) -> tuple[dict[s
 
 @pytest.mark.timeout(180)
 def test_lockstep_runs_end_bit_for_bit_alike(procs: Procs, key_file: Path) -> None:
-    first, _, tape = run(procs, key_file, "first")
+    trips: list[float] = []
+    first, _, tape = run(procs, key_file, "first", trips)
+    assert trips == [1.0, 1.0]  # every merge installed at the step after its push
     second, _, tape2 = run(procs, key_file, "second")
     assert first.keys() == second.keys()
     for name, value in first.items():
@@ -84,3 +90,19 @@ def test_final_flush_merges_every_trained_step(procs: Procs, key_file: Path) -> 
     _, state, _ = run(procs, key_file, "no-flush", final_flush=False)
     unflushed = tokens_by_learner(state.ledger)
     assert all(unflushed[i] < tokens[i] for i in (0, 1)), unflushed
+
+
+@pytest.mark.timeout(180)
+def test_a_longer_lockstep_round_trip_is_reproduced_step_for_step(procs: Procs, key_file: Path) -> None:
+    """`lockstep_round_trip`: every merge goes in that many steps after its push (capped at H/P = 2
+    here), as an unpaced run's would, and the run stays a function of steps."""
+    trips: list[float] = []
+    first, _, tape = run(procs, key_file, "trip-a", trips, lockstep_round_trip=5)
+    second, _, tape2 = run(procs, key_file, "trip-b", lockstep_round_trip=5)
+    assert trips == [2.0, 2.0]
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name} differs between two runs of the same round trip"
+    assert [(c["round"], c["weights"], c["steps"]) for c in tape] == [
+        (c["round"], c["weights"], c["steps"]) for c in tape2]
+    prompt, _, _ = run(procs, key_file, "trip-1")
+    assert any(not torch.equal(value, prompt[name]) for name, value in first.items())  # the staleness shows
