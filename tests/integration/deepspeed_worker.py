@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))
-from launch import report
+from launch import end_rank, report
 
 from yeto_core.layout import build_layout
 from yeto_plugins.torch_dist.store import ProcessGroupStore
@@ -102,3 +102,4 @@ if __name__ == "__main__":
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    end_rank()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))
-from launch import report
+from launch import end_rank, report
 
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
@@ -190,3 +190,4 @@ if __name__ == "__main__":
         {"exact": mode_exact, "train": mode_train}[sys.argv[1]](rank, world)
     finally:
         dist.destroy_process_group()
+    end_rank()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from warm import WarmProcess, WarmStarter
@@ -55,6 +55,20 @@ def report(result: Mapping[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(dict(result)))
     tmp.replace(path)  # the launcher never sees half a file
+
+
+def end_rank(code: int = 0) -> NoReturn:
+    """Worker side: exit once done without the interpreter's teardown, where a gloo or DeepSpeed
+    thread that must take the GIL is ended by pthread_exit and aborts the rank ("terminate called
+    without an active exception"), as `examples/hf_tiny_llama.exit_rank` explains."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads end as at a normal exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def free_port() -> int:
