@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[2]
 WARM_MODULES = ("syncer",)  # `python -m X` that may start warm
@@ -301,15 +301,20 @@ def _run_child(request: dict[str, Any], keep: list[int]) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        try:
-            threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads, as at exit
-            import atexit
+        end_process(code)
 
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+
+def end_process(code: int) -> NoReturn:
+    """Exit as at a normal exit (non-daemon threads joined, atexit run, output flushed) but without
+    the interpreter's teardown, where a gloo or DeepSpeed thread that must take the GIL is ended by
+    pthread_exit and aborts the process ("terminate called without an active exception")."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads, as at exit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def _exit_status(value: object) -> int:

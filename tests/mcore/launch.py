@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from warm import WarmProcess, WarmStarter
+from warm import WarmProcess, WarmStarter, end_process
 
 RESULT_DIR_ENV = "YETO_TEST_RESULT_DIR"
 TAIL_CHARS = 4000  # of each failing rank's output in an AssertionError
@@ -58,17 +58,8 @@ def report(result: Mapping[str, Any]) -> None:
 
 
 def end_rank(code: int = 0) -> NoReturn:
-    """Worker side: exit once done without the interpreter's teardown, where a gloo or DeepSpeed
-    thread that must take the GIL is ended by pthread_exit and aborts the rank ("terminate called
-    without an active exception"), as `examples/hf_tiny_llama.exit_rank` explains."""
-    import atexit
-    import threading
-
-    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads end as at a normal exit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    """Worker side: exit once done without the interpreter's teardown (`warm.end_process`)."""
+    end_process(code)
 
 
 def free_port() -> int:
