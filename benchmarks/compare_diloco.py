@@ -143,7 +143,7 @@ def effective(arm: Arm) -> tuple[Any, ...]:
     fields = SyncerSettings.model_fields
     syncer = sorted((k, v) for k, v in flags.items() if v is not None and k in fields and v != fields[k].default)
     learner = sorted((k, v) for k, v in arm.learner.items() if v != LearnerSettings.model_fields[k].default)
-    shape = (arm.cell, arm.unpaced, arm.slow, arm.lockstep_threads, arm.shards)
+    shape = (arm.cell, arm.unpaced, arm.slow, arm.lockstep_threads, arm.shards, arm.fleet_budget, arm.fleet_share)
     return arm.kind, arm.learners, arm.lora, shape, tuple(syncer), tuple(learner)
 
 

@@ -111,6 +111,7 @@ class Arm:
     shards: int = 0  # data shards (0: one per island); more leaves the last shards untrained
     fleet_budget: bool = False  # unpaced: the islands share max(M, shards)·steps optimizer steps, each
     # training until they are taken, so arms of islands at different speeds see equal tokens
+    fleet_share: float = 1.0  # with fleet_budget: the share of that budget the fleet takes
     cell: str = ""  # the matrix cell this arm belongs to ("": the single-shape comparison)
 
 
@@ -311,11 +312,11 @@ class Run:
 
     def _threaded(self, trainees: list[Trainee], sessions: list[Any], viewer: torch.nn.Module) -> Trained:
         """Every island on a thread of its own, as fast as it goes: `steps` each, or, with a
-        `fleet_budget`, until the fleet together has taken its max(M, shards)·steps."""
+        `fleet_budget`, until the fleet together has taken `fleet_share` of max(M, shards)·steps."""
         s, arm = self.shape, self.arm
         last = len(trainees) - 1
         lock = threading.Lock()
-        left = [max(arm.learners, arm.shards) * s.steps]
+        left = [round(arm.fleet_share * max(arm.learners, arm.shards) * s.steps)]
         tokens = [0] * len(trainees)
         points = self.curve_steps()
         snapshots: list[tuple[int, float, list[torch.Tensor]]] = []

@@ -14,7 +14,10 @@ it: islands on threads of their own, the syncer's own pacing, quorum and grace).
   (`yeto-slow`, unpaced), the slow island left out (`drop`: three islands, its shard untrained),
   and every round waiting for it (`wait`: lockstep, every island on its own thread). All three
   see equal tokens: in `yeto-slow` and `drop` the islands share M·steps optimizer steps, each
-  training until they are taken, so the fast ones take the steps the slow one cannot.
+  training until they are taken, so the fast ones take the steps the slow one cannot. At equal
+  tokens leaving the slow island out costs time instead: `drop-time` is `drop` stopped when
+  `yeto-slow` would be done (three islands at full speed, `equal_time_share` of the budget), the
+  question of a fleet with a deadline: does adding a slow island help?
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class Cell:
                         note=f"unpaced, island {m - 1} at 1/{SLOW_FACTOR} speed, shipped quorum and grace", **common),
                     Arm(f"{c}:drop", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c, fleet_budget=True,
                         note=f"unpaced, the slow island left out ({m - 1} islands, its shard untrained)"),
+                    Arm(f"{c}:drop-time", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c, fleet_budget=True,
+                        fleet_share=equal_time_share(m),
+                        note=f"as drop, for the time yeto-slow trains: {m - 1} islands at full speed, the "
+                             f"steps they take while {m - 1} and one at 1/{SLOW_FACTOR} take {m}·steps"),
                     Arm(f"{c}:wait", "yeto", slow=SLOW_FACTOR, lockstep_threads=True,
                         note="lockstep: every round waits for the slow island", **common)]
         return [*base,
@@ -86,6 +93,13 @@ class Cell:
 
     def gap_goal(self) -> float | None:
         return GAP_GOAL if self.m == 2 and self.h == 24 else None
+
+
+def equal_time_share(m: int) -> float:
+    """The share of the slow cell's fleet budget (M·steps) that M − 1 islands at full speed take in
+    the time M islands, one of them at 1/SLOW_FACTOR speed, take all of it: (M − 1)/(M − 1 + 1/SLOW).
+    Nominal speeds: an island slower than its nominal 1/SLOW leaves the others a little more."""
+    return (m - 1) / (m - 1 + 1 / SLOW_FACTOR)
 
 
 def all_cells() -> list[Cell]:
@@ -146,9 +160,13 @@ def slow_verdicts(cells: Iterable[Cell], runs: dict[str, list[dict[str, Any]]]) 
         if not cell.slow:
             continue
         c = cell.name
-        slow, drop, wait = (_mean(runs, f"{c}:{a}") for a in ("yeto-slow", "drop", "wait"))
+        slow, drop, drop_time, wait = (_mean(runs, f"{c}:{a}") for a in ("yeto-slow", "drop", "drop-time", "wait"))
         if slow is not None and drop is not None:
-            lines.append((f"{c}: with the slow island beats without it", f"{slow:.4f} vs {drop:.4f}", slow < drop))
+            lines.append((f"{c}: with the slow island beats without it, at equal tokens", f"{slow:.4f} vs {drop:.4f}",
+                          slow < drop))
+        if slow is not None and drop_time is not None:
+            lines.append((f"{c}: with the slow island beats without it, in equal time",
+                          f"{slow:.4f} vs {drop_time:.4f}", slow < drop_time))
         slow_s, wait_s = _mean(runs, f"{c}:yeto-slow", "train_s"), _mean(runs, f"{c}:wait", "train_s")
         if slow is not None and wait is not None and slow_s is not None and wait_s is not None:
             lines.append((f"{c}: reaches lockstep's loss in less time",
@@ -183,7 +201,8 @@ def plot(path: Path, cells: list[Cell], runs: dict[str, list[dict[str, Any]]]) -
     fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.4 * nrows), squeeze=False)
     styles = {"alone": {"color": "gray", "linestyle": "--"}, "yeto": {"color": "tab:red"},
               "yeto-unpaced": {"color": "tab:blue"}, "yeto-slow": {"color": "tab:red"},
-              "drop": {"color": "tab:orange"}, "wait": {"color": "tab:green"}}
+              "drop": {"color": "tab:orange"}, "drop-time": {"color": "tab:orange", "linestyle": ":"},
+              "wait": {"color": "tab:green"}}
     for ax, cell in zip(axes.flat, shown, strict=False):
         dp = runs[f"{cell.name}:dp"]
         reference = [statistics.fmean(r["curve"][i][1] for r in dp) for i in range(len(dp[0]["curve"]))]

@@ -87,6 +87,10 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
     assert slow["drop"].learners == 3 and slow["drop"].shards == 4
     assert slow["wait"].lockstep_threads and slow["wait"].slow == slow["yeto-slow"].slow == 4
     assert slow["yeto-slow"].fleet_budget and slow["drop"].fleet_budget and not slow["wait"].fleet_budget
+    # In the time four islands, one at 1/4 speed, take 4·576 steps, three at full speed take 3·709.
+    assert slow["drop-time"].learners == 3 and slow["drop-time"].shards == 4 and slow["drop-time"].fleet_budget
+    assert round(slow["drop-time"].fleet_share * 4 * 576) == 2127 == 3 * 709
+    assert slow["drop"].fleet_share == slow["yeto-slow"].fleet_share == 1.0
 
 
 def test_the_bench_model_of_another_family_takes_that_familys_rate() -> None:
@@ -113,3 +117,14 @@ def test_goal_rows_read_ratio_and_gap() -> None:
     assert rows["yeto"]["ratio_dp"] == pytest.approx(1.02) and rows["yeto"]["gap_closed"] == pytest.approx(0.9)
     assert rows["yeto"]["met"] and rows["yeto"]["train_s"] == 4.0
     assert not rows["yeto-unpaced"]["met"] and rows["yeto-unpaced"]["gap_closed"] == pytest.approx(0.5)
+
+
+def test_the_slow_cell_is_judged_at_equal_tokens_and_in_equal_time() -> None:
+    cell = diloco_matrix.Cell("llama", "code", "constant", 24, 4, slow=True)
+    runs = {f"{cell.name}:{arm}": [{"final_loss": loss, "train_s": s}]
+            for arm, loss, s in (("yeto-slow", 1.52, 80.0), ("drop", 1.51, 90.0), ("drop-time", 1.53, 80.0),
+                                 ("wait", 1.53, 440.0))}
+    verdicts = {what.split(": ", 1)[1]: met for what, _, met in diloco_matrix.slow_verdicts([cell], runs)}
+    assert verdicts == {"with the slow island beats without it, at equal tokens": False,
+                        "with the slow island beats without it, in equal time": True,
+                        "reaches lockstep's loss in less time": True}
