@@ -29,7 +29,8 @@ A yeto arm runs one of two ways:
 `slow` makes the last island that many times slower (it sleeps `slow − 1` times its own compute
 after each step). Unpaced with `fleet_budget`, the islands share M·steps optimizer steps and each
 trains until they are taken, so the slow island contributes what its speed allows and the fleet
-still sees the tokens of every other arm; with `lockstep_threads`, every island takes its `steps`
+still sees the tokens of every other arm (`fleet_share` < 1 takes only that share, for a fleet
+stopped early); with `lockstep_threads`, every island takes its `steps`
 and waits for the slow one at every round (the lock-step reference). The inner
 loop is the HF Trainer's defaults as the example sets them (AdamW, no weight decay, gradient
 clipping at 1.0, the shape's schedule after a linear warm-up).
