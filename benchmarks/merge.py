@@ -6,7 +6,7 @@
 For each learner count it times, in one process and one after the other:
 
 - **merge**: `syncer.round_merge.merge_round` as the coordinator calls it (a reused workspace, RDA on
-  every tensor but one plain-averaged "embedding" tensor, Nesterov 0.5/0.5), which includes the
+  every tensor, Nesterov 0.5/0.5), which includes the
   output screen;
 - **screen**: the screen's own work on the same fragment (the L2 norms of params and momentum and
   the optimizer's bound; the gradient's norm is taken for the tape anyway), the part a merge
@@ -32,7 +32,7 @@ from syncer.outer import Nesterov
 from syncer.round_merge import MergeWorkspace, merge_round
 from syncer.rounds import Answer
 
-TENSOR = 1 << 20  # values per RDA tensor; the rest of the fragment is one plain-averaged tensor
+TENSOR = 1 << 20  # values per tensor; the last one takes what is left
 
 
 def median_ms(run: Callable[[], object], repeat: int) -> float:
@@ -46,9 +46,7 @@ def median_ms(run: Callable[[], object], repeat: int) -> float:
 
 
 def segments_for(n: int) -> list[Segment]:
-    rda = [Segment(off, min(TENSOR, n - off), rda=True) for off in range(0, n - TENSOR, TENSOR)]
-    start = rda[-1].offset + rda[-1].numel if rda else 0
-    return [*rda, Segment(start, n - start, rda=False)]
+    return [Segment(off, min(TENSOR, n - off), rda=True) for off in range(0, n, TENSOR)]
 
 
 def bench(n: int, learners: int, threads: int, repeat: int) -> dict[str, float]:

@@ -6,7 +6,7 @@ pool of 1 and of 2 CPU worker processes, `--iso-worker-devices cpu` / `cpu,cpu`)
     python -m benchmarks.merge_methods --sizes 1M 16M 64M 256M --learners 2 4 8 --repeat 5
 
 For each fragment size and learner count M it builds one fragment of 512 x 512 matrices (a
-remainder, if any, stands for an embedding and is averaged by every method) and M
+remainder, if any, is averaged plainly by every method and left out of the norms compared) and M
 learners' float32 deltas, then times each method's `merge_deltas` (HeLoCo also corrects each
 learner's delta against a momentum first; iso's SVDs run after RDA). Columns:
 
@@ -107,7 +107,7 @@ def reference_norms(method: str, deltas: torch.Tensor, weights: torch.Tensor, mo
     out = []
     for seg in segments:
         if seg.iso_shape is None and not seg.rda and method != "average":
-            continue  # the embedding-like remainder: no matrix
+            continue  # the plainly averaged remainder: no matrix
         cols = d64[:, seg.offset : seg.offset + seg.numel]
         if not seg.rda:
             merged = (w64[:, None] * cols).sum(0)

@@ -3,7 +3,7 @@
 A merged update M = U·diag(s)·Vᵀ moves the model far along a few directions (the large singular
 values) and hardly along the rest. The isotropic merge keeps M's singular vectors and replaces its
 singular values by their mean, s̄ = mean(s): M' = s̄·U·Vᵀ. Only 2-D matrices of non-embedding
-fragments take it; vectors, 1-D tensors and embeddings keep the RDA or averaged update (`merge.py`).
+fragments take it; vectors, 1-D tensors and embeddings keep their RDA update (`merge.py`).
 
 Only the update's own subspace is kept: singular values at or below the float32 rounding of the
 largest (t = max(m, n)·ε·s₁, as `torch.linalg.matrix_rank`) carry no direction of the update, and

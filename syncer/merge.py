@@ -6,7 +6,7 @@ fragment's flat buffer. The math, in the order the coordinator applies it:
 
 1. ``learner_weights`` — w_m = tokens_m² / steps_m / (1 + age_m), normalised.
 2. ``merge_deltas`` — per tensor (``Segment``) of the fragment, radial-directional averaging
-   (``rda``) or, for the embedding fragment, a plain weighted average (``weighted_average``);
+   (``rda``), or with ``--merge average`` a plain weighted average (``weighted_average``);
    with ``--merge iso``, each merged 2-D matrix then gets a flat spectrum (``syncer.iso``).
 3. ``outer_gradient`` — Δ = −merged delta.
 4. ``nesterov_step`` — the outer optimizer, SGD with Nesterov momentum.
@@ -69,7 +69,7 @@ class Segment:
     """One tensor inside a fragment's flat buffer.
 
     ``rda`` selects radial-directional averaging; ``False`` selects the plain weighted average
-    used for embedding tensors. ``iso_shape`` (``--merge iso``, a 2-D matrix) flattens the
+    (``--merge average``). ``iso_shape`` (``--merge iso``, a 2-D matrix) flattens the
     merged matrix's spectrum afterwards (``syncer.iso``); ``name`` is the tensor's, for errors.
     """
 
@@ -281,8 +281,9 @@ def weighted_average(
 ) -> torch.Tensor:
     """Σ_m w_m δ_m over the rows of a ``[M, n]`` float32 tensor, with no ``[M, n]`` temporary.
 
-    The plain DiLoCo average, kept for embedding tensors whose rows are updated sparsely and
-    whose norms RDA would distort.
+    The plain DiLoCo average (``--merge average``). RDA merges embeddings as well: its norms are
+    per tensor, so rows an island left untouched count as zeros there just as in this mean, and
+    it learned better on every seed screened (README, "The outer step").
     """
     _check_pair("weighted_average", deltas, weights)
     w32 = weights.to(device=deltas.device, dtype=torch.float32)

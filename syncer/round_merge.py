@@ -2,7 +2,7 @@
 
 The protocol asks for the merge of a closed round (`effects.Merge`) and the shell's
 `RoundMerger` performs it: this module corrects stale deltas (HeLoCo, optional), weights the
-learners (tokens²/steps), merges (RDA per tensor, plain average for the embedding), and takes the
+learners (tokens²/steps), merges (RDA per tensor), and takes the
 outer optimizer step in place on the fragment's params and momentum, unless it would overflow
 them: such a round is merged again without the learner whose delta is largest. No sockets, no
 clocks but a stopwatch.
@@ -66,11 +66,11 @@ class MergeWorkspace:
 
 def fragment_segments(layout: Layout, merge: str) -> list[list[Segment]]:
     """Per fragment, its tensors' spans and whether RDA merges each (`--merge rda` and `iso`:
-    every tensor but the embedding's) or the plain weighted average does; with `iso`, which are
-    the 2-D matrices whose merged update gets a flat spectrum."""
+    every tensor, the embedding's too) or the plain weighted average does (`average`); with
+    `iso`, which are the 2-D matrices, embeddings aside, whose merged update gets a flat spectrum."""
     def segment(s: TensorSlot) -> Segment:
         iso = merge == "iso" and not s.embedding and len(s.shape) == 2
-        return Segment(s.offset, s.numel, rda=merge in ("rda", "iso") and not s.embedding,
+        return Segment(s.offset, s.numel, rda=merge in ("rda", "iso"),
                        iso_shape=(int(s.shape[0]), int(s.shape[1])) if iso else None, name=s.name)
 
     return [[segment(s) for s in frag.slots] for frag in layout.fragments]

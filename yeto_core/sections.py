@@ -60,7 +60,7 @@ DEFAULT_ISLAND = IslandSettings()
 class MergeSettings:
     """How the syncer merges a round: the merge of the deltas and the outer step."""
 
-    merge: str = "rda"  # rda | iso | average (the embedding is always averaged)
+    merge: str = "rda"  # rda | iso | average
     delta_correction: str = "none"  # heloco | none
     outer_optimizer: str = "nesterov"  # nesterov | delayed-nesterov
     outer_lr: float = 0.5

@@ -329,11 +329,11 @@ class SyncerSettings(BaseSettings):
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
     outer_delay: int = Field(default=4, ge=1, le=MAX_STEPS,
                              description="N of delayed Nesterov: momentum moves every N steps")
-    merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of non-embedding tensors: "
+    merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of every tensor: "
                                                     "radial-directional averaging (rda), rda with each 2-D matrix's "
-                                                    "merged update given a flat spectrum (iso: its singular values "
-                                                    "replaced by their mean), or the plain weighted average "
-                                                    "(the embedding is always averaged)")
+                                                    "merged update but the embedding's given a flat spectrum (iso: "
+                                                    "its singular values replaced by their mean), or the plain "
+                                                    "weighted average")
     delta_correction: Literal["heloco", "none"] = Field(default="none", description="correct stale deltas that "
                                                         "oppose the outer momentum (HeLoCo) or not; HeLoCo "
                                                         "measured no better in compare_diloco")

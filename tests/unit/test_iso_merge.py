@@ -74,7 +74,7 @@ def test_merge_deltas_flattens_the_matrices_of_the_rda_update_and_leaves_the_res
     deltas = torch.randn(3, 6 * 4 + 5 + 2 * 3, generator=g)
     weights = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     segments = [Segment(0, 24, rda=True, iso_shape=(6, 4)), Segment(24, 5, rda=True),
-                Segment(29, 6, rda=False)]  # a matrix, a vector, an embedding (averaged, never iso)
+                Segment(29, 6, rda=False)]  # a matrix, a vector, a plainly averaged span
     for threads in (1, 2):
         got = merge_deltas(deltas, weights, segments, threads=threads)
         matrix = rda(deltas[:, :24], weights)
@@ -103,7 +103,7 @@ def test_iso_segments_are_the_non_embedding_matrices_and_name_the_backend() -> N
     assert by_offset[slots["layer.weight"].offset].rda
     assert by_offset[slots["layer.bias"].offset].iso_shape is None and by_offset[slots["layer.bias"].offset].rda
     assert by_offset[slots["conv.weight"].offset].iso_shape is None
-    assert by_offset[slots["embed.weight"].offset].iso_shape is None and not by_offset[slots["embed.weight"].offset].rda
+    assert by_offset[slots["embed.weight"].offset].iso_shape is None and by_offset[slots["embed.weight"].offset].rda
     assert all(seg.iso_shape is None for seg in fragment_segments(layout, "rda")[0])
     assert backend_id(MergeSettings(merge="iso")) != backend_id(MergeSettings(merge="rda"))
     assert backend_id(MergeSettings(merge="iso")).startswith("iso-")

@@ -21,8 +21,8 @@ def segments(merge: str) -> list[list[bool]]:
     return [[seg.rda for seg in frag] for frag in fragment_segments(layout, SyncerSettings(merge=merge).merge)]
 
 
-def test_rda_merges_every_tensor_but_the_embedding() -> None:
-    assert segments("rda") == [[False], [True, True], [True]]
+def test_rda_merges_every_tensor_the_embedding_too() -> None:
+    assert segments("rda") == [[True], [True, True], [True]]
 
 
 def test_average_merges_every_tensor_by_the_plain_weighted_average() -> None:
