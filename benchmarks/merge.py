@@ -6,8 +6,7 @@
 For each learner count it times, in one process and one after the other:
 
 - **merge**: `syncer.round_merge.merge_round` as the coordinator calls it (a reused workspace, RDA on
-  every tensor, Nesterov 0.5/0.5), which includes the
-  output screen;
+  every tensor, Nesterov 0.5/0.5), which includes the output screen;
 - **screen**: the screen's own work on the same fragment (the L2 norms of params and momentum and
   the optimizer's bound; the gradient's norm is taken for the tape anyway), the part a merge
   without it would not do;

@@ -282,8 +282,7 @@ def weighted_average(
     """Σ_m w_m δ_m over the rows of a ``[M, n]`` float32 tensor, with no ``[M, n]`` temporary.
 
     The plain DiLoCo average (``--merge average``). RDA merges embeddings as well: its norms are
-    per tensor, so rows an island left untouched count as zeros there just as in this mean, and
-    it learned better on every seed screened (README, "The outer step").
+    per tensor, so rows an island left untouched count as zeros there just as in this mean.
     """
     _check_pair("weighted_average", deltas, weights)
     w32 = weights.to(device=deltas.device, dtype=torch.float32)

@@ -2,10 +2,9 @@
 
 The protocol asks for the merge of a closed round (`effects.Merge`) and the shell's
 `RoundMerger` performs it: this module corrects stale deltas (HeLoCo, optional), weights the
-learners (tokens²/steps), merges (RDA per tensor), and takes the
-outer optimizer step in place on the fragment's params and momentum, unless it would overflow
-them: such a round is merged again without the learner whose delta is largest. No sockets, no
-clocks but a stopwatch.
+learners (tokens²/steps), merges (RDA per tensor), and takes the outer optimizer step in place
+on the fragment's params and momentum, unless it would overflow them: such a round is merged
+again without the learner whose delta is largest. No sockets, no clocks but a stopwatch.
 """
 
 from __future__ import annotations
