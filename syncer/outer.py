@@ -10,6 +10,11 @@ tensors and ints, which the caller keeps next to the momentum and a checkpoint c
   Language Modeling" (arXiv:2401.09135, Algorithm 3), for a syncer that steps once per push: the
   momentum moves only every N-th step, from the average of the N gradients since the last move,
   so a burst of stale gradients cannot compound in it; every step still applies its own gradient.
+
+Both warm their momentum coefficient up (``warmed_momentum``): over a fragment's first W outer
+steps μ rises linearly from 0, so the large, fast-turning deltas of the first rounds do not
+linger in the momentum after the landscape under them has moved on. The step count comes in
+``state`` (``STEPS_KEY``: the fragment's version, which a checkpoint already keeps).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ __all__ = [
     "ACCUM_KEY",
     "COUNT_KEY",
     "OUTER_OPTIMIZERS",
+    "STEPS_KEY",
     "DelayedNesterov",
     "Nesterov",
     "OuterOptimizer",
     "OuterState",
     "make_outer_optimizer",
+    "warmed_momentum",
 ]
 
 OuterState: TypeAlias = dict[str, torch.Tensor | int]
@@ -41,6 +48,23 @@ ACCUM_KEY = "delayed_nesterov.accum"
 momentum update (all zeros right after one). Created on the first step."""
 COUNT_KEY = "delayed_nesterov.count"
 """State key: int in [0, N), how many gradients ``ACCUM_KEY`` holds."""
+STEPS_KEY = "outer.steps"
+"""State key: int >= 0, the outer steps the fragment took before this one (absent: 0)."""
+
+
+def warmed_momentum(momentum: float, warmup: int, steps: int) -> float:
+    """The momentum coefficient of a fragment's outer step number ``steps`` (0 first) under a
+    linear warm-up over ``warmup`` steps: μ·min(1, steps/warmup); ``warmup`` 0 is μ throughout."""
+    if warmup <= 0 or steps >= warmup:
+        return momentum
+    return momentum * steps / warmup
+
+
+def _steps(name: str, state: OuterState) -> int:
+    steps = state.get(STEPS_KEY, 0)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"{name}: state[{STEPS_KEY!r}] must be an int >= 0, got {steps!r}")
+    return steps
 
 
 class OuterOptimizer(Protocol):
@@ -67,6 +91,11 @@ def _check_shapes(name: str, param: torch.Tensor, momentum: torch.Tensor, outer_
                          f"{tuple(momentum.shape)}, outer_grad {tuple(outer_grad.shape)}")
 
 
+def _check_warmup(name: str, warmup: int) -> None:
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"{name}: warmup must be an int >= 0, got {warmup!r}")
+
+
 def _check_coefficients(name: str, lr: float, momentum: float) -> None:
     if not (math.isfinite(lr) and lr > 0.0):
         raise ValueError(f"{name}: lr must be finite and > 0, got {lr}")
@@ -78,22 +107,27 @@ def _check_coefficients(name: str, lr: float, momentum: float) -> None:
 class Nesterov:
     """SGD with Nesterov momentum (DiLoCo's outer optimizer), exactly ``merge.nesterov_step``.
 
-    momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum). Keeps no state.
+    momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum), with μ warmed up over
+    ``warmup`` steps (``warmed_momentum``; 0: none). Keeps no state of its own.
     """
 
     lr: float = 0.7
     momentum: float = 0.9
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         _check_coefficients("Nesterov", self.lr, self.momentum)
+        _check_warmup("Nesterov", self.warmup)
 
     def step(
         self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState,
         *, scratch: torch.Tensor | None = None,
     ) -> None:
-        nesterov_step(param, momentum, outer_grad, lr=self.lr, momentum_coef=self.momentum, scratch=scratch)
+        mu = warmed_momentum(self.momentum, self.warmup, _steps("Nesterov", state))
+        nesterov_step(param, momentum, outer_grad, lr=self.lr, momentum_coef=mu, scratch=scratch)
 
     def bound(self, *, param: float, momentum: float, grad: float, accum: float = 0.0) -> float:
+        # With the full μ: a warmed-up μ only makes every term smaller.
         new_momentum = self.momentum * momentum + grad
         step = grad + self.momentum * new_momentum
         return max(new_momentum, step, self.lr * step, param + self.lr * step)
@@ -118,16 +152,19 @@ class DelayedNesterov:
     accumulator.
 
     The window is counted per fragment in ``state`` (``COUNT_KEY``), so it survives a checkpoint
-    together with ``ACCUM_KEY``.
+    together with ``ACCUM_KEY``. μ is warmed up over ``warmup`` steps, counted in steps (one a
+    round), not momentum moves, as ``Nesterov`` does (``warmed_momentum``; 0: none).
     """
 
     lr: float = 0.7
     momentum: float = 0.9
     delay: int = 1
     activation: float = 0.0
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         _check_coefficients("DelayedNesterov", self.lr, self.momentum)
+        _check_warmup("DelayedNesterov", self.warmup)
         if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 1:
             raise ValueError(f"DelayedNesterov: delay must be an int >= 1, got {self.delay!r}")
         if not 0.0 <= self.activation <= 1.0 / self.delay:
@@ -140,6 +177,7 @@ class DelayedNesterov:
     ) -> None:
         _check_shapes("DelayedNesterov", param, momentum, outer_grad)
         n = self.delay
+        mu = warmed_momentum(self.momentum, self.warmup, _steps("DelayedNesterov", state))
         count = state.get(COUNT_KEY, 0)
         if not isinstance(count, int) or not 0 <= count < n:
             raise ValueError(f"DelayedNesterov: state[{COUNT_KEY!r}] must be an int in [0, {n}), got {count!r}")
@@ -152,20 +190,20 @@ class DelayedNesterov:
                              f"parameters {tuple(param.shape)}")
         if count + 1 == n:
             if accum is None:
-                momentum.mul_(self.momentum).add_(outer_grad)
+                momentum.mul_(mu).add_(outer_grad)
             else:
-                momentum.mul_(self.momentum).add_(accum.add_(outer_grad), alpha=1.0 / n)
+                momentum.mul_(mu).add_(accum.add_(outer_grad), alpha=1.0 / n)
                 accum.zero_()
             # lr·(k·μ·m + g/N) as (lr/N)·(g + N·k·μ·m), with k = 1 − cN + c = 1 + c(1 − N): for N = 1
             # both factors are exactly 1 and the arithmetic is nesterov_step's.
-            pull = n * (1.0 + self.activation * (1 - n)) * self.momentum
+            pull = n * (1.0 + self.activation * (1 - n)) * mu
             param.add_(torch.add(outer_grad, momentum, alpha=pull, out=scratch), alpha=-self.lr / n)
             state[COUNT_KEY] = 0
             return
         assert accum is not None
         accum.add_(outer_grad)
         if self.activation > 0.0:
-            pull = n * self.activation * self.momentum
+            pull = n * self.activation * mu
             param.add_(torch.add(outer_grad, momentum, alpha=pull, out=scratch), alpha=-self.lr / n)
         else:
             param.add_(outer_grad, alpha=-self.lr / n)
@@ -187,16 +225,17 @@ OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
 def outer_optimizer(merging: MergeSettings) -> OuterOptimizer:
     """The outer optimizer of a syncer's merge settings."""
     return make_outer_optimizer(merging.outer_optimizer, lr=merging.outer_lr, momentum=merging.outer_momentum,
-                                delay=merging.outer_delay)
+                                delay=merging.outer_delay, warmup=merging.outer_momentum_warmup)
 
 
-def make_outer_optimizer(name: str, *, lr: float, momentum: float, delay: int = 1) -> OuterOptimizer:
+def make_outer_optimizer(name: str, *, lr: float, momentum: float, delay: int = 1, warmup: int = 0) -> OuterOptimizer:
     """The outer optimizer ``--outer-optimizer`` names: ``nesterov`` or ``delayed-nesterov``.
 
-    ``delay`` is delayed Nesterov's N; plain Nesterov has no delay and ignores it.
+    ``delay`` is delayed Nesterov's N; plain Nesterov has no delay and ignores it. ``warmup``:
+    the momentum's warm-up in outer steps (``warmed_momentum``).
     """
     if name == "nesterov":
-        return Nesterov(lr=lr, momentum=momentum)
+        return Nesterov(lr=lr, momentum=momentum, warmup=warmup)
     if name == "delayed-nesterov":
-        return DelayedNesterov(lr=lr, momentum=momentum, delay=delay)
+        return DelayedNesterov(lr=lr, momentum=momentum, delay=delay, warmup=warmup)
     raise ValueError(f"unknown outer optimizer {name!r}; accepted: {', '.join(OUTER_OPTIMIZERS)}")

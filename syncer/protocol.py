@@ -267,7 +267,8 @@ class SyncerProtocol:
             next_round=0, ledger={}, finalized=False,
             outer_accum=[lazy_zeros(m.numel(), self.device) for m in momentum] if delayed else None,
             outer_count=[0] * p if delayed else [], merged_by=[(-1, []) for _ in range(p)],
-            extra={"outer_lr": self.merging.outer_lr, "outer_momentum": self.merging.outer_momentum},
+            extra={"outer_lr": self.merging.outer_lr, "outer_momentum": self.merging.outer_momentum,
+                   "outer_momentum_warmup": self.merging.outer_momentum_warmup},
         )
         self._adopt_layout(layout)
         log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",

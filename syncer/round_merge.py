@@ -26,7 +26,7 @@ from syncer.merge import (
     merge_deltas,
     segment_sq_norms,
 )
-from syncer.outer import ACCUM_KEY, COUNT_KEY, OuterOptimizer, OuterState, outer_optimizer
+from syncer.outer import ACCUM_KEY, COUNT_KEY, STEPS_KEY, OuterOptimizer, OuterState, outer_optimizer
 from syncer.rounds import Answer
 from yeto_core.layout import Layout, TensorSlot
 from yeto_core.sections import MergeSettings
@@ -100,9 +100,10 @@ class RoundMerger:
         """Merge `answers` into fragment `fragment` of `state`, in place (the caller has made its
         tensors writable: `leases.py`); `prepared`: its heavy half, done ahead by `prepare`."""
         f = fragment
-        outer_state: OuterState = {}
+        # The fragment's version counts its outer steps: the momentum's warm-up resumes with it.
+        outer_state: OuterState = {STEPS_KEY: state.versions[f]}
         if state.outer_accum is not None:
-            outer_state = {ACCUM_KEY: state.outer_accum[f], COUNT_KEY: state.outer_count[f]}
+            outer_state.update({ACCUM_KEY: state.outer_accum[f], COUNT_KEY: state.outer_count[f]})
         out = merge_round(answers, params=state.params[f], momentum=state.momentum[f], outer_state=outer_state,
                           segments=segments, outer=self.outer, heloco=self.heloco, threads=self.threads,
                           workspace=self.workspace, iso=self.iso, prepared=prepared)

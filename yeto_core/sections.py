@@ -65,5 +65,6 @@ class MergeSettings:
     outer_optimizer: str = "nesterov"  # nesterov | delayed-nesterov
     outer_lr: float = 0.5
     outer_momentum: float = 0.5
+    outer_momentum_warmup: int = 4  # outer steps over which a fragment's μ rises from 0
     outer_delay: int = 4
     merge_threads: int = 1

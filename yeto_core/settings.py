@@ -326,6 +326,9 @@ class SyncerSettings(BaseSettings):
     # over-drives the strongly correlated deltas of a few dozen inner steps.
     outer_lr: float = Field(default=0.5, gt=0, le=100, description="Nesterov outer learning rate")
     outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
+    outer_momentum_warmup: int = Field(default=4, ge=0, le=MAX_STEPS, description="outer steps over which each "
+                                       "fragment's outer momentum rises linearly from 0 to --outer-momentum "
+                                       "(0: the full momentum from the first step)")
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
     outer_delay: int = Field(default=4, ge=1, le=MAX_STEPS,
                              description="N of delayed Nesterov: momentum moves every N steps")
@@ -439,7 +442,8 @@ class SyncerSettings(BaseSettings):
     def merging(self) -> MergeSettings:
         return MergeSettings(merge=self.merge, delta_correction=self.delta_correction,
                              outer_optimizer=self.outer_optimizer, outer_lr=self.outer_lr,
-                             outer_momentum=self.outer_momentum, outer_delay=self.outer_delay,
+                             outer_momentum=self.outer_momentum,
+                             outer_momentum_warmup=self.outer_momentum_warmup, outer_delay=self.outer_delay,
                              merge_threads=self.merge_threads)
 
     def fault_injector(self) -> faults.FaultInjector:

@@ -49,15 +49,21 @@ def test_an_unknown_merge_is_refused_with_the_setting_named() -> None:
 
 
 def test_the_shipped_outer_step_against_a_hand_reference() -> None:
-    from syncer.outer import make_outer_optimizer
+    from syncer.outer import STEPS_KEY, outer_optimizer
 
     s = SyncerSettings()
-    assert (s.merge, s.outer_optimizer, s.outer_lr, s.outer_momentum) == ("rda", "nesterov", 0.5, 0.5)
-    outer = make_outer_optimizer(s.outer_optimizer, lr=s.outer_lr, momentum=s.outer_momentum, delay=s.outer_delay)
+    assert (s.merge, s.outer_optimizer, s.outer_lr, s.outer_momentum, s.outer_momentum_warmup) == (
+        "rda", "nesterov", 0.5, 0.5, 4)
+    outer = outer_optimizer(s.merging)
     param, momentum = torch.tensor([1.0, -2.0]), torch.zeros(2)
-    outer.step(param, momentum, torch.tensor([0.5, 0.25]), {})
-    # m = g = [0.5, 0.25]; θ −= 0.5·(g + 0.5·m) = 0.5·[0.75, 0.375]
-    assert param.tolist() == [0.625, -2.1875] and momentum.tolist() == [0.5, 0.25]
-    outer.step(param, momentum, torch.tensor([-0.25, 0.5]), {})
-    # m = 0.5·[0.5, 0.25] + [−0.25, 0.5] = [0, 0.625]; θ −= 0.5·([−0.25, 0.5] + 0.5·m) = 0.5·[−0.25, 0.8125]
-    assert param.tolist() == [0.75, -2.59375] and momentum.tolist() == [0.0, 0.625]
+    outer.step(param, momentum, torch.tensor([0.5, 0.25]), {STEPS_KEY: 0})
+    # step 0, μ = 0: m = g = [0.5, 0.25]; θ −= 0.5·g
+    assert param.tolist() == [0.75, -2.125] and momentum.tolist() == [0.5, 0.25]
+    outer.step(param, momentum, torch.tensor([-0.25, 0.5]), {STEPS_KEY: 1})
+    # step 1, μ = 0.5·1/4: m = 0.125·[0.5, 0.25] + [−0.25, 0.5] = [−0.1875, 0.53125];
+    # θ −= 0.5·(g + 0.125·m) = 0.5·[−0.2734375, 0.56640625]
+    assert param.tolist() == [0.88671875, -2.408203125] and momentum.tolist() == [-0.1875, 0.53125]
+    outer.step(param, momentum, torch.tensor([0.5, 0.0]), {STEPS_KEY: 4})
+    # warmed up, μ = 0.5: m = 0.5·m + g = [0.40625, 0.265625]; θ −= 0.5·(g + 0.5·m)
+    assert param.tolist() == [0.53515625, -2.474609375]
+    assert momentum.tolist() == [0.40625, 0.265625]

@@ -10,11 +10,13 @@ from syncer.merge import nesterov_step
 from syncer.outer import (
     ACCUM_KEY,
     COUNT_KEY,
+    STEPS_KEY,
     DelayedNesterov,
     Nesterov,
     OuterOptimizer,
     OuterState,
     make_outer_optimizer,
+    warmed_momentum,
 )
 
 pytestmark = pytest.mark.unit
@@ -156,19 +158,26 @@ def test_make_outer_optimizer() -> None:
     assert make_outer_optimizer("nesterov", lr=0.5, momentum=0.8, delay=5) == Nesterov(lr=0.5, momentum=0.8)
     assert make_outer_optimizer("delayed-nesterov", lr=0.5, momentum=0.8, delay=5) == DelayedNesterov(
         lr=0.5, momentum=0.8, delay=5)
+    assert make_outer_optimizer("nesterov", lr=0.5, momentum=0.8, warmup=3) == Nesterov(
+        lr=0.5, momentum=0.8, warmup=3)
+    assert make_outer_optimizer("delayed-nesterov", lr=0.5, momentum=0.8, delay=2, warmup=3) == DelayedNesterov(
+        lr=0.5, momentum=0.8, delay=2, warmup=3)
     with pytest.raises(ValueError, match="accepted: nesterov, delayed-nesterov"):
         make_outer_optimizer("adam", lr=0.5, momentum=0.8, delay=1)
 
 
 @pytest.mark.parametrize("opt", [Nesterov(lr=0.5, momentum=0.5), Nesterov(lr=3.0, momentum=0.95),
                                  DelayedNesterov(lr=0.7, momentum=0.9, delay=3),
-                                 DelayedNesterov(lr=2.0, momentum=0.8, delay=4, activation=0.25)],
-                         ids=["nesterov", "nesterov-big", "delayed", "delayed-active"])
+                                 DelayedNesterov(lr=2.0, momentum=0.8, delay=4, activation=0.25),
+                                 Nesterov(lr=0.5, momentum=0.5, warmup=4),
+                                 DelayedNesterov(lr=2.0, momentum=0.8, delay=2, activation=0.25, warmup=3)],
+                         ids=["nesterov", "nesterov-big", "delayed", "delayed-active", "warm", "delayed-warm"])
 def test_the_bound_covers_every_value_a_step_writes(opt: OuterOptimizer) -> None:
     # One step at a time from the same inputs, so the bound (which sees each step's inputs) applies.
     p, m = start(64, 2)
     state: OuterState = {}
-    for g in grads(7, 64, 9):
+    for t, g in enumerate(grads(7, 64, 9)):
+        state[STEPS_KEY] = t
         accum = state.get(ACCUM_KEY)
         bound = opt.bound(param=float(p.abs().max()), momentum=float(m.abs().max()), grad=float(g.abs().max()),
                           accum=float(accum.abs().max()) if isinstance(accum, torch.Tensor) else 0.0)
@@ -185,3 +194,67 @@ def test_the_nesterov_bound_by_hand() -> None:
     # m' <= 0.5·2 + 4 = 5; step <= 4 + 0.5·5 = 6.5; lr·step = 3.25; p' <= 1 + 3.25 = 4.25
     assert Nesterov(lr=0.5, momentum=0.5).bound(param=1.0, momentum=2.0, grad=4.0) == 6.5
     assert Nesterov(lr=2.0, momentum=0.5).bound(param=100.0, momentum=2.0, grad=4.0) == 113.0
+
+
+def test_the_momentum_warms_up_linearly_then_holds() -> None:
+    assert [warmed_momentum(0.5, 4, k) for k in range(7)] == [0.0, 0.125, 0.25, 0.375, 0.5, 0.5, 0.5]
+    assert [warmed_momentum(0.9, 0, k) for k in range(3)] == [0.9, 0.9, 0.9]
+    assert warmed_momentum(0.0, 4, 1) == 0.0
+
+
+def test_warmed_nesterov_is_nesterov_step_with_the_warmed_coefficient_bit_for_bit() -> None:
+    p, m = start(33, 4)
+    ref_p, ref_m = p.clone(), m.clone()
+    opt = Nesterov(lr=0.5, momentum=0.5, warmup=4)
+    for t, g in enumerate(grads(7, 33, 5)):
+        opt.step(p, m, g, {STEPS_KEY: t})
+        nesterov_step(ref_p, ref_m, g, lr=0.5, momentum_coef=0.5 * min(1.0, t / 4))
+        assert torch.equal(p, ref_p) and torch.equal(m, ref_m)
+
+
+def test_without_a_step_count_the_warmup_starts_from_zero_momentum() -> None:
+    p, m = start(8, 1)
+    ref_p, ref_m = p.clone(), m.clone()
+    g = grads(1, 8, 2)[0]
+    Nesterov(lr=0.5, momentum=0.5, warmup=4).step(p, m, g, {})
+    nesterov_step(ref_p, ref_m, g, lr=0.5, momentum_coef=0.0)
+    assert torch.equal(p, ref_p) and torch.equal(m, ref_m)
+
+
+def test_warmed_delayed_nesterov_with_delay_one_is_warmed_nesterov_bit_for_bit() -> None:
+    p1, m1 = start(21, 6)
+    p2, m2 = p1.clone(), m1.clone()
+    a, b = Nesterov(lr=0.7, momentum=0.9, warmup=3), DelayedNesterov(lr=0.7, momentum=0.9, delay=1, warmup=3)
+    s1: OuterState = {}
+    s2: OuterState = {}
+    for t, g in enumerate(grads(6, 21, 7)):
+        s1[STEPS_KEY] = s2[STEPS_KEY] = t
+        a.step(p1, m1, g, s1)
+        b.step(p2, m2, g, s2)
+        assert torch.equal(p1, p2) and torch.equal(m1, m2)
+
+
+def test_warmed_delayed_nesterov_uses_the_step_counts_coefficient_at_each_move() -> None:
+    # delay 2, warm-up over 4 steps: moves at steps 1 and 3 use μ·1/4 and μ·3/4.
+    mu, lr = 0.8, 1.0
+    p, m = torch.zeros(1), torch.zeros(1)
+    opt = DelayedNesterov(lr=lr, momentum=mu, delay=2, warmup=4)
+    state: OuterState = {}
+    for t, g in enumerate([1.0, 1.0, 1.0, 1.0]):
+        state[STEPS_KEY] = t
+        opt.step(p, m, torch.tensor([g]), state)
+    # each step moves θ by −(lr/2)·g, a move adds −(lr/2)·2·μ_t·m: m = 0.2·0 + 1 = 1 at step 1,
+    # m = 0.6·1 + 1 = 1.6 at step 3; θ = −(0.5 + 0.5·(1 + 0.4) + 0.5 + 0.5·(1 + 1.92))
+    assert m.item() == pytest.approx(1.6)
+    assert p.item() == pytest.approx(-(0.5 + 0.7 + 0.5 + 1.46))
+
+
+def test_a_bad_step_count_or_warmup_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"outer\.steps"):
+        Nesterov(warmup=2).step(torch.zeros(2), torch.zeros(2), torch.zeros(2), {STEPS_KEY: -1})
+    with pytest.raises(ValueError, match=r"outer\.steps"):
+        DelayedNesterov(delay=2, warmup=2).step(torch.zeros(2), torch.zeros(2), torch.zeros(2), {STEPS_KEY: 1.5})
+    with pytest.raises(ValueError, match="warmup"):
+        Nesterov(warmup=-1)
+    with pytest.raises(ValueError, match="warmup"):
+        DelayedNesterov(warmup=True)

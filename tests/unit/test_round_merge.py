@@ -67,6 +67,31 @@ def test_delayed_nesterov_keeps_its_window_in_the_outer_state() -> None:
     assert state["delayed_nesterov.count"] == 1 and torch.count_nonzero(momentum) == 0
 
 
+@pytest.mark.parametrize("optimizer", ["nesterov", "delayed-nesterov"])
+def test_the_fragments_version_counts_its_outer_steps_for_the_momentum_warmup(optimizer: str) -> None:
+    # A resumed syncer continues the warm-up: the count is the version, which a checkpoint keeps.
+    from syncer.checkpoint import SyncerState
+    from syncer.round_merge import RoundMerger, fragment_segments
+    from yeto_core.settings import SyncerSettings
+
+    layout = build_layout((TensorSpec("w", (10,), "float32"),), 1, "binpack")
+    merging = SyncerSettings(outer_optimizer=optimizer, outer_delay=1, outer_momentum=0.8,
+                             outer_momentum_warmup=4).merging
+    segments = fragment_segments(layout, merging.merge)[0]
+    for version in (0, 2, 4, 9):
+        m0 = torch.full((10,), 0.5)
+        state = SyncerState(specs=list(layout.specs), num_fragments=1, pattern="binpack",
+                            fingerprint=layout.fingerprint, backend="", params=[torch.ones(10)], momentum=[m0.clone()],
+                            versions=[version], next_round=0, ledger={},
+                            outer_accum=[torch.zeros(10)] if optimizer != "nesterov" else None,
+                            outer_count=[0] if optimizer != "nesterov" else [])
+        RoundMerger(merging).run(state, 0, answers(), segments)
+        ref_p, ref_m = torch.ones(10), m0.clone()
+        merge_round(answers(), params=ref_p, momentum=ref_m, outer_state={}, segments=segments,
+                    outer=Nesterov(lr=0.5, momentum=0.8 * min(1.0, version / 4)), heloco=None)
+        assert torch.equal(state.params[0], ref_p) and torch.equal(state.momentum[0], ref_m)
+
+
 def push(codec_id: int, nbytes: int, steps: int = 2, fragment: int = 0) -> Push:
     return Push(0, 1, fragment, 0, 10, steps, 0, 1, nbytes, codec_id)
 
