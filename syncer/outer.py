@@ -62,8 +62,8 @@ def warmed_momentum(momentum: float, warmup: int, steps: int) -> float:
 
 def _steps(name: str, state: OuterState) -> int:
     steps = state.get(STEPS_KEY, 0)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"{name}: state[{STEPS_KEY!r}] must be an int >= 0, got {steps!r}")
+    _check_int(name, f"state[{STEPS_KEY!r}]", steps, 0)
+    assert isinstance(steps, int)
     return steps
 
 
@@ -91,9 +91,9 @@ def _check_shapes(name: str, param: torch.Tensor, momentum: torch.Tensor, outer_
                          f"{tuple(momentum.shape)}, outer_grad {tuple(outer_grad.shape)}")
 
 
-def _check_warmup(name: str, warmup: int) -> None:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"{name}: warmup must be an int >= 0, got {warmup!r}")
+def _check_int(name: str, what: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}: {what} must be an int >= {least}, got {value!r}")
 
 
 def _check_coefficients(name: str, lr: float, momentum: float) -> None:
@@ -117,7 +117,7 @@ class Nesterov:
 
     def __post_init__(self) -> None:
         _check_coefficients("Nesterov", self.lr, self.momentum)
-        _check_warmup("Nesterov", self.warmup)
+        _check_int("Nesterov", "warmup", self.warmup, 0)
 
     def step(
         self, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor, state: OuterState,
@@ -164,9 +164,8 @@ class DelayedNesterov:
 
     def __post_init__(self) -> None:
         _check_coefficients("DelayedNesterov", self.lr, self.momentum)
-        _check_warmup("DelayedNesterov", self.warmup)
-        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 1:
-            raise ValueError(f"DelayedNesterov: delay must be an int >= 1, got {self.delay!r}")
+        _check_int("DelayedNesterov", "warmup", self.warmup, 0)
+        _check_int("DelayedNesterov", "delay", self.delay, 1)
         if not 0.0 <= self.activation <= 1.0 / self.delay:
             raise ValueError(f"DelayedNesterov: activation must be in [0, 1/delay] = [0, {1.0 / self.delay}], "
                              f"got {self.activation}")
