@@ -63,7 +63,7 @@ class MergeSettings:
     merge: str = "rda"  # rda | iso | average
     delta_correction: str = "none"  # heloco | none
     outer_optimizer: str = "nesterov"  # nesterov | delayed-nesterov
-    outer_lr: float = 0.5
+    outer_lr: float = 0.7
     outer_momentum: float = 0.5
     outer_momentum_warmup: int = 4  # outer steps over which a fragment's μ rises from 0
     outer_delay: int = 4

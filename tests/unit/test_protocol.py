@@ -150,8 +150,8 @@ def test_a_commit_is_a_merge_asked_for_then_its_effects_in_the_contracts_order()
     state = d.protocol.state
     assert state is not None and state.versions == [1, 0] and state.next_round == 1
     # The merged delta is the mean 2.0; the first outer step has no momentum yet (warm-up), so
-    # Nesterov with lr 0.5 from θ = 0 gives θ + lr·2 = 1.0.
-    assert torch.allclose(state.params[0], torch.full((4,), 1.0))
+    # Nesterov at the shipped lr 0.7 from θ = 0 gives θ + lr·2 = 1.4.
+    assert torch.allclose(state.params[0], torch.full((4,), 1.4))
 
 
 def test_the_broadcast_of_a_fragments_last_round_says_no_pull_will_follow_and_a_rejoin_hears_it_too() -> None:

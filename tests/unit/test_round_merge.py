@@ -75,7 +75,7 @@ def test_the_fragments_version_counts_its_outer_steps_for_the_momentum_warmup(op
     from yeto_core.settings import SyncerSettings
 
     layout = build_layout((TensorSpec("w", (10,), "float32"),), 1, "binpack")
-    merging = SyncerSettings(outer_optimizer=optimizer, outer_delay=1, outer_momentum=0.8,
+    merging = SyncerSettings(outer_optimizer=optimizer, outer_delay=1, outer_lr=0.5, outer_momentum=0.8,
                              outer_momentum_warmup=4).merging
     segments = fragment_segments(layout, merging.merge)[0]
     for version in (0, 2, 4, 9):
