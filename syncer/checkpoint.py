@@ -7,7 +7,8 @@ backend, versions, token ledger) is one JSON document under the header metadata 
 ``save_checkpoint`` streams the safetensors format itself (8-byte little-endian header length,
 JSON header padded to 8 bytes, raw little-endian data) into ``<path>.tmp``, fsyncs it, renames it
 over ``path`` and fsyncs the directory: peak memory stays at one tensor and a crash leaves the
-previous checkpoint whole. ``load_checkpoint`` reads with the safetensors library and validates
+previous checkpoint whole. ``load_checkpoint`` validates the header with the safetensors library,
+then reads each tensor straight into the state's buffers in chunks (no second copy), and validates
 everything before it returns, so a bad file never reaches the coordinator's state.
 
 Integrity: the metadata holds a CRC-32 of every tensor's bytes (``checksums``), computed as the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -287,6 +289,49 @@ def _parse(path: Path, doc: Any) -> tuple[list[TensorSpec], Layout, dict[str, An
     return specs, layout, doc
 
 
+def _data_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Where the data section starts, and each tensor's [begin, end) within it (the header was
+    already validated by safetensors against the file's length)."""
+    with open(path, "rb") as f:
+        (head_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(head_len))
+    return 8 + head_len, {k: (v["data_offsets"][0], v["data_offsets"][1]) for k, v in header.items()
+                          if k != "__metadata__"}
+
+
+def _read_tensors(path: Path, layout: Layout, with_accum: bool, checksums: dict[str, str] | None,
+                  bufs: dict[str, list[torch.Tensor]]) -> None:
+    """Read every tensor straight into its fragment buffer, a chunk at a time: each chunk's CRC-32 and
+    finiteness are checked while it is still in cache, and no second copy of a tensor is made."""
+    data_start, offsets = _data_offsets(path)
+    with open(path, "rb", buffering=0) as f:
+        for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
+            begin, end = offsets[name]
+            if end - begin != 4 * numel:
+                raise CheckpointError(f"checkpoint {path}: tensor {name} holds {end - begin} bytes, "
+                                      f"expected {4 * numel}")
+            dest = bufs[name.split("/", 1)[0]][frag][offset : offset + numel]
+            raw = dest.view(torch.uint8).numpy().data
+            f.seek(data_start + begin)
+            crc, finite = 0, True
+            for start in range(0, len(raw), _CHUNK):
+                part = raw[start : start + _CHUNK]
+                got = 0
+                while got < len(part):
+                    n = f.readinto(part[got:])
+                    if not n:
+                        raise CheckpointError(f"checkpoint {path} is truncated (in tensor {name})")
+                    got += n
+                crc = zlib.crc32(part, crc)
+                values = dest[start // 4 : (start + len(part)) // 4]
+                finite = finite and math.isfinite(values.sum().item())  # NaN and Inf propagate into the sum
+            if checksums is not None and f"{crc:08x}" != checksums[name]:
+                raise CheckpointError(f"checkpoint {path}: tensor {name} does not match its checksum (the file "
+                                      "was damaged after it was written)")
+            if not finite and not bool(torch.isfinite(dest).all()):  # a finite tensor whose sum overflowed
+                raise CheckpointError(f"checkpoint {path}: tensor {name} holds NaN or Inf")
+
+
 def load_checkpoint(
     path: Path, *, expect_fingerprint: bytes | None = None, expect_backend: str | None = None
 ) -> SyncerState:
@@ -338,18 +383,11 @@ def load_checkpoint(
                             "bytes are not verified", path)
             elif set(checksums) != set(expected):
                 raise CheckpointError(f"checkpoint {path}: its checksums do not name exactly its tensors")
-            bufs = {
-                kind: [torch.empty(frag.numel, dtype=torch.float32) for frag in layout.fragments]
-                for kind in ("param", "momentum", "accum")
-            }
-            for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
-                tensor = f.get_tensor(name).reshape(-1)
-                if checksums is not None and f"{zlib.crc32(tensor.numpy()):08x}" != checksums[name]:
-                    raise CheckpointError(f"checkpoint {path}: tensor {name} does not match its checksum (the file "
-                                          "was damaged after it was written)")
-                if not bool(torch.isfinite(tensor).all()):
-                    raise CheckpointError(f"checkpoint {path}: tensor {name} holds NaN or Inf")
-                bufs[name.split("/", 1)[0]][frag][offset : offset + numel] = tensor
+        bufs = {
+            kind: [torch.empty(frag.numel, dtype=torch.float32) for frag in layout.fragments]
+            for kind in ("param", "momentum", "accum")
+        }
+        _read_tensors(path, layout, with_accum, checksums, bufs)
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors reports truncation and bad headers as assorted errors

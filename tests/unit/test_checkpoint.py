@@ -399,3 +399,49 @@ def test_checksums_that_name_other_tensors_are_refused(tmp_path: Path) -> None:
     _rewrite_meta(path, lambda m: m["checksums"].pop(next(iter(m["checksums"]))))
     with pytest.raises(CheckpointError, match="do not name exactly its tensors"):
         load_checkpoint(path)
+
+
+# -- streaming: every tensor crosses many write and read chunks ----------------------------------------
+@pytest.fixture
+def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import syncer.checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "_CHUNK", 64)  # 16 values: the tiny model's tensors span up to 16 chunks
+
+
+def test_streamed_write_and_read_are_bit_exact(tmp_path: Path, tiny_chunks: None) -> None:
+    state = make_state()
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    reference = load_file(str(path))  # the safetensors library's own reading of the streamed file
+    got = load_checkpoint(path, expect_fingerprint=state.fingerprint)
+    layout = build_layout(state.specs, 3, "binpack")
+    for kind, bufs in (("param", got.params), ("momentum", got.momentum)):
+        for frag in layout.fragments:
+            for slot in frag.slots:
+                want = reference[f"{kind}/{slot.name}"].reshape(-1)
+                assert torch.equal(bits(bufs[frag.index][slot.offset : slot.offset + slot.numel]), bits(want))
+    for a, b in zip(state.params + state.momentum, got.params + got.momentum, strict=True):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "nan", "truncate"])
+def test_damage_in_a_late_chunk_is_caught(tmp_path: Path, tiny_chunks: None, damage: str) -> None:
+    state = make_state()
+    state.params[0][:] = 0.5  # the first tensor's later chunks hold known values
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    raw = bytearray(path.read_bytes())
+    at = data_start(path) + 64 * 5 + 8  # the sixth chunk of the first tensor (the embedding, 256 values)
+    if damage == "bit-flip":
+        raw[at] ^= 0x01
+        match = r"tensor param/model.embed_tokens.weight does not match its checksum"
+    elif damage == "nan":
+        raw[at : at + 4] = struct.pack("<f", float("nan"))
+        match = r"param/model.embed_tokens.weight does not match its checksum"  # the checksum sees it first
+    else:
+        raw = raw[: len(raw) - 100]
+        match = r"truncated or corrupt"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
