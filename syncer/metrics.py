@@ -80,6 +80,11 @@ class SyncerMetrics:
         self.handshakes_refused = counter("handshakes_refused", "connections turned away before they joined, by "
                                           "reason (auth, layout, contract, duplicate, protocol, deadline, crowd, "
                                           "broken ...)", ("reason",))
+        from yeto_core.wire.buffers import RECEIVE_POOL
+
+        self.receive_buffers = gauge("receive_buffers_allocated", "pooled receive buffers allocated since start: a "
+                                     "run past its first rounds reuses them and stops adding to it")
+        self.receive_buffers.set_function(lambda: RECEIVE_POOL.allocated)
         for f in range(num_fragments):
             self.fragment_version.labels(str(f)).set(0)
             self.fragment_staleness.labels(str(f)).set_function(self._age_of(self._last_commit, f))

@@ -69,7 +69,12 @@ class FragmentSync:
             self.fragments[msg.fragment].take_bcast(msg, values)
         elif isinstance(msg, Final):
             assert values is not None
-            self.fragments[msg.fragment].final = (msg, values)
+            state = self.fragments[msg.fragment]
+            state.final = (msg, values)
+            # The run is final: no push of this fragment will be merged again, so its anchor is
+            # let go now, and the next FINAL can be received into its buffer (the end's peak holds
+            # one copy of the model beside the weights, not the anchors and the cut both).
+            state.anchor = None
 
     # -- questions the session's waits ask ---------------------------------------------------
     @property
@@ -287,6 +292,12 @@ class FragmentSync:
         state.anchor = values
         state.tokens_mark = self.stats.tokens
         state.steps_mark = self.stats.steps
+
+    def release_anchors(self) -> None:
+        """DONE is sent: this island pushes nothing more, so its anchors are let go, and the final cut
+        is received into their memory (the end's peak is one copy of the model beside the weights)."""
+        for state in self.fragments:
+            state.anchor = None
 
     def install_final(self) -> int:
         """Install every fragment's final cut exactly; the syncer's round count."""

@@ -22,9 +22,11 @@ raised on every rank. Trainers whose steps come in phases (RL: rollouts, then up
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import socket
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -79,6 +81,7 @@ class IslandStats:
     installs: int = 0
     final_installed: bool = False
     learner: LearnerStats | None = None  # rank 0 (or the only process) only
+    in_yeto_s: float = 0.0  # this rank's time inside `step` and `sweep`, the island's collectives included
 
 
 class IslandSession:
@@ -101,6 +104,7 @@ class IslandSession:
         self.store = store
         self.session: LearnerSession | None = None  # rank 0 (or the only process) only
         self._steps = 0
+        self._in_yeto_s = 0.0
         self._answer = IslandStats()
         self._closed = False
         self.metrics: LearnerMetricsServer | None = None  # rank 0's /metrics, with `metrics_port`
@@ -121,7 +125,7 @@ class IslandSession:
         if self.session is None:
             return self._answer
         s = self.session.stats
-        return IslandStats(s.steps, s.pushes, s.installs, s.final_installed, s)
+        return IslandStats(s.steps, s.pushes, s.installs, s.final_installed, s, self._in_yeto_s)
 
     # -- the collective calls ------------------------------------------------------------------
     def start(self) -> None:
@@ -139,13 +143,13 @@ class IslandSession:
         """Account one optimizer step of `tokens` (the island's tokens; rank 0's value counts).
         True on every rank when the final cut was installed: stop training at this step."""
         self._steps += 1
-        return self._together(lambda session: session.step(tokens))
+        return self._timed(lambda session: session.step(tokens))
 
     def sweep(self) -> bool:
         """A boundary for every fragment at once (`LearnerSession.sweep`): push every fragment the
         syncer asked for, then wait for their merges and install them (at once with `overlap`).
         True when the final cut was installed meanwhile."""
-        return self._together(lambda session: session.sweep())
+        return self._timed(lambda session: session.sweep())
 
     def finish(self) -> bool:
         """Training ended here first: wait (at most `final_timeout_s`) for the final cut. True
@@ -165,6 +169,15 @@ class IslandSession:
             self.store.close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _timed(self, call: Callable[[LearnerSession], bool]) -> bool:
+        """`_together(call)`, its time added to what the training thread spent in yeto."""
+        started = time.perf_counter()
+        try:
+            return self._together(call)
+        finally:
+            self._in_yeto_s += time.perf_counter() - started
+            self._answer = dataclasses.replace(self._answer, in_yeto_s=self._in_yeto_s)
+
     def _serve_metrics(self, session: LearnerSession) -> LearnerMetricsServer:
         s = self.settings
         token = None

@@ -55,7 +55,7 @@ from yeto_core.link import Clock, Connected, Inbound, InitWanted, Link, Lost, Pu
 from yeto_core.probe import PROBE_EXIT_CODE
 from yeto_core.refusal import stop_if_refused
 from yeto_core.settings import LearnerSettings
-from yeto_core.store import LocalStore, TensorStore, nonfinite_tensor
+from yeto_core.store import FRAGMENT_POOL, STEADY_FRAGMENT_BUFFERS, LocalStore, TensorStore, nonfinite_tensor
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import Bye, Consensus, Done, Pull
 
@@ -229,8 +229,20 @@ class LearnerSession:
                 return
             self._tick(min(left, 0.5))
             self.sync.install_bcasts()
-        self._init_snapshot = None
+            if self._init_snapshot is not None and any(f.version >= 0 for f in self.fragments):
+                self._drop_init_snapshot()
+        self._drop_init_snapshot()
         log.info("learner %d: initial cut installed (%d fragments)", s.learner_id, len(self.fragments))
+
+    def _drop_init_snapshot(self) -> None:
+        """Once the syncer made its initial cut it holds the model and never asks for this INIT again:
+        dropped then, the snapshot and the installed anchors are never both held (two copies of the
+        model beside the weights). Its buffers go back to the fragment pool, which keeps only what
+        steady rounds reuse."""
+        if self._init_snapshot is None:
+            return
+        self._init_snapshot = None
+        FRAGMENT_POOL.trim(keep=STEADY_FRAGMENT_BUFFERS)
 
     def _probe_link(self) -> None:
         s = self.settings
@@ -286,6 +298,13 @@ class LearnerSession:
     # -- the per-step entry point ------------------------------------------------------------
     def step(self, tokens: int) -> bool:
         """Account one optimizer step of `tokens` trained tokens; True means: stop training now."""
+        started = time.perf_counter()
+        try:
+            return self._step(tokens)
+        finally:
+            self.stats.in_yeto_s += time.perf_counter() - started
+
+    def _step(self, tokens: int) -> bool:
         self.stats.steps += 1
         self.stats.tokens += int(tokens)
         now = self.clock()
@@ -361,6 +380,7 @@ class LearnerSession:
             needs_done = self._generation is not None and self._done_sent_on != self.sync.links
             if not flushing and not settling and needs_done and self.link.send(Done(self.stats.steps)):
                 self._done_sent_on = self.sync.links
+                self.sync.release_anchors()
             self._tick(0.05 if flushing or settling else 0.5)
             if self.final_ready:
                 self._install_final()
@@ -383,6 +403,13 @@ class LearnerSession:
         the link streams them while training goes on, and their merges are rebased in at the next
         sweep, even one that comes in while this sweep still waits. `blocking_timeout_s` bounds
         it, after which training goes on. True when the final cut was installed."""
+        started = time.perf_counter()
+        try:
+            return self._sweep()
+        finally:
+            self.stats.in_yeto_s += time.perf_counter() - started
+
+    def _sweep(self) -> bool:
         s = self.settings
         wait = s.rl_mode == "sweep" or (s.rl_mode == "stream" and not s.overlap)
         if self.stats.final_installed:

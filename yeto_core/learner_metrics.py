@@ -17,7 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from yeto_core.learner_state import LearnerStats
+from yeto_core.store import FRAGMENT_POOL
 from yeto_core.web_server import Reply, WebServer, web_app
+from yeto_core.wire.buffers import RECEIVE_POOL
 
 PREFIX = "yeto_learner"
 # (name, type, help, read): every figure of `LearnerStats` a dashboard plots, in base units.
@@ -36,9 +38,13 @@ FIGURES: tuple[tuple[str, str, str, Callable[[LearnerStats], float | None]], ...
      lambda s: s.round_trip_steps),
     ("rebases", "counter", "overlap installs that dropped a merged push from the weights", lambda s: s.rebases),
     ("blocked_seconds", "counter", "time steps waited for blocking fragments", lambda s: s.blocked_s),
+    ("training_thread_seconds", "counter", "the training thread's time inside yeto (step and sweep calls, "
+     "waits included)", lambda s: s.in_yeto_s),
     ("lockstep_misses", "counter", "lockstep waits that ran out of time", lambda s: s.lockstep_misses),
     ("connections", "counter", "connections to the syncer made (a reconnect counts again)",
      lambda s: len(s.connected_generations)),
+    ("buffers_allocated", "gauge", "pooled fragment and receive buffers this process allocated: a run past its first "
+     "rounds reuses them and stops adding to it", lambda s: RECEIVE_POOL.allocated + FRAGMENT_POOL.allocated),
     ("final_installed", "gauge", "1 once the syncer's final cut is installed", lambda s: int(s.final_installed)),
     ("consensus_js", "gauge", "the syncer's latest Jensen-Shannon distance between the learners",
      lambda s: s.consensus_js),

@@ -77,6 +77,7 @@ class LearnerStats:
     round_trip_steps: int = 0  # summed over those: steps trained from the push to that install
     rebases: int = 0  # overlap installs that dropped a merged push from θ (Mix1)
     blocked_s: float = 0.0  # time steps waited for blocking fragments (Mix2)
+    in_yeto_s: float = 0.0  # the training thread's time inside `step` and `sweep`, waits included
     lockstep_misses: int = 0  # lockstep waits that ran out of time: the schedule was no longer pinned
     init_answers: int = 0  # INIT requests answered (learner 0)
     final_installed: bool = False

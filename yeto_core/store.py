@@ -19,6 +19,9 @@ from yeto_core.layout import Fragment, TensorSpec, specs_from_named_tensors
 from yeto_core.wire.buffers import BufferPool
 
 FRAGMENT_POOL = BufferPool()  # fragment-sized f32 work buffers, recycled once nothing holds them
+# Idle buffers of a size worth keeping after a burst: a push's delta and an overlap rebase's base,
+# each round (an RL sweep takes every fragment at once and grows the pool back on its first sweep).
+STEADY_FRAGMENT_BUFFERS = 2
 
 
 def fragment_buffer(numel: int) -> torch.Tensor:

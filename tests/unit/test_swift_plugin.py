@@ -50,7 +50,7 @@ class RecordingSync:
 
     def __init__(self, log: list[Any], final_at: int | None = None, finish_result: bool = True) -> None:
         self.log, self.final_at, self.finish_result = log, final_at, finish_result
-        self.stats = SimpleNamespace(pushes=0, installs=0, steps=0)
+        self.stats = SimpleNamespace(pushes=0, installs=0, steps=0, in_yeto_s=0.25)
 
     def start(self) -> None:
         self.log.append("start")
@@ -303,7 +303,7 @@ events = []
 
 class Sync:
     def __init__(self, trainer):
-        self.trainer, self.stats = trainer, types.SimpleNamespace(pushes=0, installs=0)
+        self.trainer, self.stats = trainer, types.SimpleNamespace(pushes=0, installs=0, in_yeto_s=0.25)
     def start(self): events.append("start")
     def step(self, tokens):
         self.stats.pushes += 1
@@ -449,7 +449,8 @@ def test_auto_attach_runs_yeto_first(recorded: tuple[dict[str, Any], list[Any]],
              or (isinstance(e, tuple) and e[0] in ("step", "save")) or e == "finish"]
     assert steps == [("step", 4096), "print.on_step_end", "default_flow.on_step_end",
                      ("step", 4096), "finish", "print.on_step_end", "default_flow.on_step_end", ("save", 2)]
-    assert log[-1] == ("print.on_log", {"loss": 1.0, "yeto_pushes": 2, "yeto_installs": 0})
+    assert log[-1] == ("print.on_log", {"loss": 1.0, "yeto_pushes": 2, "yeto_installs": 0,
+                                              "yeto_seconds": 0.25})
 
 
 @pytest.mark.timeout(10)
@@ -574,7 +575,7 @@ def test_on_log_adds_counters_and_events_are_complete() -> None:
     trainer.opt_param_scheduler.num_steps += 8
     cb.on_step_end()
     cb.on_log(logs=logs)
-    assert logs == {"yeto_pushes": 1, "yeto_installs": 0}
+    assert logs == {"yeto_pushes": 1, "yeto_installs": 0, "yeto_seconds": 0.25}
     for event in EVENTS:
         assert callable(getattr(cb, event))
     cb.on_save(output_dir="out")

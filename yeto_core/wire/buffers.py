@@ -70,6 +70,14 @@ class BufferPool:
             self._free.setdefault(base.nbytes, []).append(base)
             self._idle_bytes += base.nbytes
 
+    def trim(self, keep: int) -> None:
+        """Free the finished buffers beyond `keep` of each size: after a one-off burst (learner 0's
+        INIT snapshot of every fragment) the pool need not hold what steady rounds never take."""
+        with self._lock:
+            for free in self._free.values():
+                while len(free) > keep:
+                    self._idle_bytes -= free.pop().nbytes
+
     def clear(self) -> None:
         with self._lock:
             self._free.clear()

@@ -112,7 +112,8 @@ class YetoDiLoCo(TrainerCallback):
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.island is not None and logs is not None:
             stats = self.island.stats
-            figures: dict[str, Any] = {"yeto_pushes": stats.pushes, "yeto_installs": stats.installs}
+            figures: dict[str, Any] = {"yeto_pushes": stats.pushes, "yeto_installs": stats.installs,
+                                       "yeto_seconds": round(stats.in_yeto_s, 3)}  # this rank's training thread
             if stats.learner is not None:  # DESIGN §8: the syncer's latest consensus figures (rank 0)
                 figures.update(consensus_logs(stats.learner))
             if self.final_installed:

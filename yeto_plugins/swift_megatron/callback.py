@@ -130,6 +130,7 @@ class YetoMegatronCallback:
             s = self.sync.stats
             logs["yeto_pushes"] = s.pushes
             logs["yeto_installs"] = s.installs
+            logs["yeto_seconds"] = round(s.in_yeto_s, 3)  # this rank's training thread inside yeto
 
     def on_step_begin(self) -> None:
         pass
