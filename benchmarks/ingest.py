@@ -359,6 +359,7 @@ class Learner:
         client._send_push = send_push  # type: ignore[method-assign]
         self.client = client
         self.bcast_versions: dict[int, int] = {}
+        self.bcast_at: dict[tuple[int, int], float] = {}  # (fragment, version) -> when it was taken off the inbox
         self.pulls: list[Any] = []
 
     def start(self) -> None:
@@ -390,6 +391,7 @@ class Learner:
             if isinstance(item, Received):
                 if isinstance(item.msg, Bcast):
                     self.bcast_versions[item.msg.fragment] = item.msg.version
+                    self.bcast_at[(item.msg.fragment, item.msg.version)] = time.time()
                 elif isinstance(item.msg, Pull):
                     self.pulls.append(item.msg)
             del item

@@ -2,7 +2,9 @@
 
 A plain receiver in its own process (`recv_into` one buffer allocated and touched up front) and
 plain sender threads here, moving N bytes in 4 MiB `sendall` chunks striped round-robin over the
-same number of streams as yeto uses, with no framing.
+same number of streams as yeto uses, with no framing. Both ends cycle through a buffer of at most
+`RING` bytes, so a multi-GiB baseline costs no more memory than a 256 MiB one: every page is
+still written by `recv_into` (and read by `sendall`) exactly as a first transfer writes it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 CHUNK = 4 * 1024 * 1024
+RING = 64 * CHUNK  # bytes each end keeps; offsets wrap modulo this (a whole number of chunks)
 SINK_ROLE = "__raw_sink__"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The receiver (its own process, like the syncer)
 # ---------------------------------------------------------------------------------------------
 def _raw_sink(max_bytes: int, streams: int) -> int:
-    buf = bytearray(max_bytes)
+    buf = bytearray(min(max_bytes, RING))
     view = memoryview(buf)
-    for off in range(0, max_bytes, 4096):  # touch every page once, outside any timing
+    for off in range(0, len(buf), 4096):  # touch every page once, outside any timing
         buf[off] = 1
     lsock = socket.create_server(("127.0.0.1", 0))
     print(f"port {lsock.getsockname()[1]}", flush=True)
@@ -52,9 +55,10 @@ def _raw_sink(max_bytes: int, streams: int) -> int:
             got_total = 0
             for off in range(i * CHUNK, nbytes, streams * CHUNK):
                 n = min(CHUNK, nbytes - off)
+                at = off % len(buf)
                 got = 0
                 while got < n:
-                    k = sock.recv_into(view[off + got : off + n], n - got)
+                    k = sock.recv_into(view[at + got : at + n], n - got)
                     if k == 0:
                         ends.put((time.time(), -1))
                         return
@@ -88,7 +92,7 @@ class RawLoopback:
 
     def __init__(self, max_bytes: int, streams: int) -> None:
         self.streams = streams
-        self.src = bytearray(os.urandom(CHUNK)) * ((max_bytes + CHUNK - 1) // CHUNK)
+        self.src = bytearray(os.urandom(CHUNK)) * ((min(max_bytes, RING) + CHUNK - 1) // CHUNK)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.loopback", SINK_ROLE, str(max_bytes), str(streams)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=REPO,
@@ -124,7 +128,8 @@ class RawLoopback:
         def send(i: int) -> None:
             try:
                 for off in range(i * CHUNK, nbytes, self.streams * CHUNK):
-                    self.socks[i].sendall(view[off : min(off + CHUNK, nbytes)])
+                    at = off % len(view)
+                    self.socks[i].sendall(view[at : at + min(CHUNK, nbytes - off)])
             except BaseException as exc:  # reported below
                 errors.append(exc)
 

@@ -99,3 +99,35 @@ def test_compare_diloco_quick_runs(tmp_path: Path) -> None:
     ratio = runs["yeto-default"]["final_loss"] / runs["dp"]["final_loss"]
     assert summary["yeto-default"]["ratio_dp"] == pytest.approx(ratio)
     assert (tmp_path / "compare_diloco.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(240)
+def test_scale_quick_runs(tmp_path: Path) -> None:
+    # Two small sizes, M = 2: every measure is taken and every ratio is a positive finite number.
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("worst ratio at 16 MiB: "), out.stdout[-2000:]
+    doc = json.loads((tmp_path / "scale.json").read_text())
+    assert doc["sizes"] == [4 << 20, 16 << 20] and doc["learners"] == [2]
+    for speeds in doc["speeds"]:
+        assert set(speeds) == {"ckpt_write", "ckpt_read", "init@M2", "push@M2", "fanout@M2", "merge_rda@M2",
+                               "merge_average@M2"}
+        assert all(math.isfinite(v) and v > 0 for v in speeds.values()), speeds
+    for row in doc["rows"]:
+        assert row["m2"]["syncer_rss"] > 0 and row["island_pushes"] >= 8
+        assert math.isfinite(row["island_rss"])
+
+
+@pytest.mark.timeout(240)
+def test_stall_quick_runs(tmp_path: Path) -> None:
+    # One pair of short HF Trainer runs of the main job's model, without and with yeto attached.
+    out = subprocess.run([sys.executable, "-m", "benchmarks.stall", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=220)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("stall at H=24: median "), out.stdout[-2000:]
+    (row,) = json.loads((tmp_path / "stall.json").read_text())
+    assert row["model"] == "main" and row["steps_each"] >= 20
+    for key in ("median_without", "median_with", "p99_without", "p99_with", "median_ratio", "p99_ratio"):
+        assert math.isfinite(row[key]) and row[key] > 0, row
+    assert 0 < row["in_yeto_share"] < 1
