@@ -227,18 +227,38 @@ def measure_size(model_bytes: int, args: argparse.Namespace, raw: RawLoopback, t
         workdir = tmp / f"{model_bytes // MIB}-m{m}"
         workdir.mkdir()
         wire = wire_times(model_bytes, m, args, raw, workdir, key, key_file)
+        wire["syncer_rss_planned"] = planned_memory(model_bytes, m, args.fragments)[0] / model_bytes
         merge = merge_times(frag_numel, m, args.repeat)
         row[f"m{m}"] = {**wire, **merge}
         say(f"{label(model_bytes)}, M={m}: " + ", ".join(
             f"{name} {ratio(row[f'm{m}'], name):.2f}" for name in ("init", "push", "fanout", "merge_rda"))
             + f", syncer RSS {wire['syncer_rss']:.2f}x the model")
+    release_buffers()
     row.update(checkpoint_times(model_bytes, args.fragments, tmp, args.repeat))
+    say(f"{label(model_bytes)}: checkpoint write {ratio(row, 'ckpt_write'):.2f}, read {ratio(row, 'ckpt_read'):.2f}")
+    syncer_plan, island_plan = planned_memory(model_bytes, 1, args.fragments)
+    row["island_rss_planned"] = island_plan / model_bytes
+    need, free = syncer_plan + model_bytes + island_plan + (1 << 30), available_bytes()
+    if need > free:
+        say(f"{label(model_bytes)}: island skipped: it and its syncer need about {need / 2**30:.1f} GiB, and "
+            f"{free / 2**30:.1f} GiB is available")
+        return row
     island_dir = tmp / f"{model_bytes // MIB}-island"
     island_dir.mkdir()
     row.update(island_rss(model_bytes, args, island_dir, key_file))
-    say(f"{label(model_bytes)}: checkpoint write {ratio(row, 'ckpt_write'):.2f}, read {ratio(row, 'ckpt_read'):.2f}, "
-        f"island RSS beyond its weights {row['island_rss']:.2f}x the model")
+    say(f"{label(model_bytes)}: island RSS beyond its weights {row['island_rss']:.2f}x the model "
+        f"(yeto-plan: {row['island_rss_planned']:.2f}x)")
     return row
+
+
+def release_buffers() -> None:
+    """Give back what the M in-process learners' receive pool kept, before the next phase's memory."""
+    import gc
+
+    from yeto_core.wire.buffers import RECEIVE_POOL
+
+    gc.collect()
+    RECEIVE_POOL.clear()
 
 
 def wire_bytes_needed(model_bytes: int, m: int, fragments: int) -> float:
@@ -255,6 +275,30 @@ def available_bytes() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def planned_memory(model_bytes: int, m: int, fragments: int) -> tuple[float, float]:
+    """yeto-plan's syncer memory at M learners and an island's beyond its weights, for this run's
+    synthetic model, f32 both ways, the shipped pipeline (`syncer.plan`)."""
+    from benchmarks.scale_parts import synthetic_specs
+    from syncer.plan import (
+        Choice,
+        Island,
+        Model,
+        Setup,
+        SyncerHost,
+        Tensor,
+        fragment_params,
+        island_memory,
+        syncer_memory,
+    )
+
+    tensors = tuple(Tensor(s.name, math.prod(s.shape)) for s in synthetic_specs(model_bytes, fragments))
+    model = Model("synthetic", tensors, sum(t.numel for t in tensors))
+    setup = Setup(model=model, islands=(Island(1e9, 1e9, 1.0),) * m, quorum=m, host=SyncerHost(memory_bytes=1e15))
+    choice = Choice(sync_interval=fragments, codec="f32", downlink="f32", fragments=fragments, pipeline=PIPELINE)
+    sizes = fragment_params(model, fragments, "binpack")
+    return syncer_memory(setup, choice, sizes).total, island_memory(choice, sizes).total
 
 
 def ratio(times: dict[str, Any], measure: str) -> float:
@@ -338,12 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=2, help="data streams, and raw streams (default 2)")
     ap.add_argument("--rounds", type=int, default=4, help="push rounds per syncer; the first 2 are reported "
                     "apart, as cold (default 4)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each in-process measure (default 1)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each in-process measure, the median kept "
+                    "(default 3)")
     ap.add_argument("--out", type=Path, default=Path("scale-out"), help="where JSON and the plot go")
     ap.add_argument("--quick", action="store_true", help="4 and 16 MiB, M = 2, one round: a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.learners, args.rounds = [4 * MIB, 16 * MIB], [2], 1
+        args.sizes, args.learners, args.rounds, args.repeat = [4 * MIB, 16 * MIB], [2], 1, 1
     if min(args.learners) < 1 or args.fragments < 1 or args.streams < 1 or args.rounds < 1 or args.repeat < 1:
         ap.error("every count must be >= 1")
     args.sizes = sorted(set(args.sizes))
@@ -381,11 +426,20 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, elapsed: float)
     for name in names:
         _line(name, [t.get(name) for t in table], f"{grow[name]:>9.2f}" if name in grow else "")
     wire = {m: [r.get(f"m{m}") for r in rows] for m in args.learners}
+    ref = next((r for r in rows if r["bytes"] == SLOPE_FROM), None)
+    for m, cells in wire.items():  # the goal: no superlinear merge, judged per byte against 256 MiB
+        base = ref and ref.get(f"m{m}")
+        if base:
+            per_byte = base["merge_rda"] / ref["bytes"]
+            per_size = [c["merge_rda"] / r["bytes"] / per_byte if c else None for r, c in zip(rows, cells, strict=True)]
+            _line(f"merge_rda@M{m} s/B", per_size, "   (÷ its time per byte at 256 MiB)")
     for m, cells in wire.items():
         _line(f"push_cold@M{m}", [c["raw_push"] / c["push_cold"] if c and "push_cold" in c else None for c in cells])
     for m, cells in wire.items():
         _line(f"syncer_rss@M{m} (x)", [c["syncer_rss"] if c else None for c in cells], "   (peak RSS ÷ model bytes)")
-    _line("island_rss (x)", [r["island_rss"] for r in rows], "   (peak RSS beyond the weights ÷ model bytes)")
+        _line("  yeto-plan says", [c["syncer_rss_planned"] if c else None for c in cells])
+    _line("island_rss (x)", [r.get("island_rss") for r in rows], "   (peak RSS beyond the weights ÷ model bytes)")
+    _line("  yeto-plan says", [r["island_rss_planned"] for r in rows])
     _line("first touch GB/s", [r["bytes"] / r["first_touch"] / 1e9 for r in rows], "   (fresh memory, a write a page)")
     m0 = args.learners[0]
     _line("raw loopback GB/s", [r["bytes"] / c["raw_init"] / 1e9 if c else None for r, c in zip(rows, wire[m0],

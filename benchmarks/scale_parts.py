@@ -160,13 +160,16 @@ def _timed(times: dict[str, list[float]], name: str, run: Callable[[], object]) 
 
 
 def _write_both(state: Any, ours: Path, plain: Path, repeat: int, times: dict[str, list[float]]) -> list[int]:
-    """Interleaved, so both see the same disk and the same page cache; the tensors' sizes back."""
+    """Alternated, so both see the same disk and the same page cache; the tensors' sizes back."""
     from syncer.checkpoint import save_checkpoint
 
     tensors = [*state.params, *state.momentum]
-    for _ in range(repeat):
-        _timed(times, "raw_write", lambda: _raw_write(plain, tensors))
-        _timed(times, "ckpt_write", lambda: save_checkpoint(ours, state))
+    for i in range(repeat):  # ABBA order: neither is always the one that follows the other's writes
+        for name in ("raw_write", "ckpt_write") if i % 2 == 0 else ("ckpt_write", "raw_write"):
+            if name == "raw_write":
+                _timed(times, name, lambda: _raw_write(plain, tensors))
+            else:
+                _timed(times, name, lambda: save_checkpoint(ours, state))
     return [t.numel() for t in tensors]
 
 

@@ -178,6 +178,7 @@ class Prediction:
     up_wire_bytes_per_round: float  # the same on the line: TCP/IP/Ethernet headers, the downlink's ACKs
     down_wire_bytes_per_round: float
     memory: Memory
+    island_memory: IslandMemory  # each island's rank 0, beyond its weights
 
     @property
     def utilization(self) -> float:
@@ -306,6 +307,36 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
     )
 
 
+# ---- an island's memory ----------------------------------------------------------------------------
+
+
+STEADY_WORK_BUFFERS = 2  # yeto_core/store.py STEADY_FRAGMENT_BUFFERS: idle fragment buffers a learner keeps
+
+
+@dataclass(frozen=True)
+class IslandMemory:
+    """Host bytes an island's rank 0 holds for yeto beyond its own weights (DESIGN §10.2)."""
+
+    anchors: float
+    work_buffers: float
+    push_payload: float
+    broadcast_receive: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+def island_memory(choice: Choice, sizes: Sequence[int], block: int = DEFAULT_BLOCK) -> IslandMemory:
+    """Counted from yeto_core/fragment_sync.py (an f32 anchor per fragment, θ at its last install),
+    yeto_core/store.py (fragment work buffers: the ones the pool keeps idle and a push's delta) and
+    yeto_core/client.py (a push's encoded payload; a broadcast's receive buffer)."""
+    n_total, n_max = sum(sizes), max(sizes)
+    down = 4 * n_max if choice.downlink == "f32" else 2 * n_max
+    return IslandMemory(anchors=4.0 * n_total, work_buffers=4.0 * (STEADY_WORK_BUFFERS + 1) * n_max,
+                        push_payload=float(payload_bytes(choice.codec, n_max, block)), broadcast_receive=float(down))
+
+
 # ---- one choice ---------------------------------------------------------------------------------------
 
 
@@ -401,7 +432,7 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
                       up_bytes_per_round=answers * push, down_bytes_per_round=m * bcast,
                       up_wire_bytes_per_round=on_the_wire(answers * push, m * bcast, setup.tcp_efficiency),
                       down_wire_bytes_per_round=on_the_wire(m * bcast, answers * push, setup.tcp_efficiency),
-                      memory=memory)
+                      memory=memory, island_memory=island_memory(choice, sizes, setup.block))
 
 
 def on_the_wire(forward: float, reverse: float, efficiency: float) -> float:

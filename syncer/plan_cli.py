@@ -252,7 +252,11 @@ def prediction_lines(setup: Setup, pred: Prediction) -> list[str]:
              + f" + answers in flight {_gib(mem.answers_in_flight)} + merge workspace {_gib(mem.merge_workspace)}"
              f" + broadcast copy {_gib(mem.broadcast_copy)} + receive buffers {_gib(mem.receive_buffers)}"
              + (f" + checkpoint copies {_gib(mem.checkpoint_copies)}" if mem.checkpoint_copies else "")
-             + f" + runtime {_gib(mem.runtime)}"]
+             + f" + runtime {_gib(mem.runtime)}",
+             f"island memory beyond its weights (rank 0): {_gib(pred.island_memory.total)} = anchors "
+             f"{_gib(pred.island_memory.anchors)} + work buffers {_gib(pred.island_memory.work_buffers)} + push "
+             f"payload {_gib(pred.island_memory.push_payload)} + broadcast receive "
+             f"{_gib(pred.island_memory.broadcast_receive)}"]
     state = 8.0 * sum(sizes)
     if not setup.host.checkpoint_every:
         lines.append(f"  not counted: checkpoints; one is {_gib(state)} (a synchronous one every N rounds holds "
@@ -265,6 +269,7 @@ def as_json(setup: Setup, rec: Recommendation | None, pred: Prediction | None) -
     def flat(p: Prediction) -> dict[str, Any]:
         d = dataclasses.asdict(p)
         d["memory"]["total"] = p.memory.total
+        d["island_memory"]["total"] = p.island_memory.total
         d["utilization"], d["effective_interval"] = p.utilization, p.effective_interval
         return d
 
