@@ -29,10 +29,12 @@ import struct
 import sys
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -163,6 +165,34 @@ def _metadata(state: SyncerState, checksums: dict[str, str]) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
+class _PieceChecks:
+    """A tensor's CRC-32 (and, reading, whether it is finite), computed piece by piece on a helper
+    thread while the caller moves the next piece to or from the disk: zlib and torch release the
+    GIL, so on two cores the checks hide behind the I/O. Pieces are checked in the order given."""
+
+    def __init__(self, pool: ThreadPoolExecutor, *, finite: bool) -> None:
+        self._pool = pool
+        self._finite = finite
+        self._job: Future[tuple[int, bool]] | None = None
+
+    def add(self, part: memoryview) -> None:
+        before = self._job
+
+        def check() -> tuple[int, bool]:
+            crc, finite = before.result() if before is not None else (0, True)
+            if self._finite and finite:  # NaN and Inf propagate into the sum; numpy's is one thread,
+                # where torch's would take the core the next piece is being read on
+                finite = math.isfinite(float(np.frombuffer(part, dtype=np.float32).sum(dtype=np.float32)))
+            return zlib.crc32(part, crc), finite
+
+        self._job = self._pool.submit(check)
+
+    def result(self) -> tuple[int, bool]:
+        """(CRC-32, finite) of every piece added; starts over for the next tensor."""
+        job, self._job = self._job, None
+        return job.result() if job is not None else (0, True)
+
+
 def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
                     read: Callable[[str, int], contextlib.AbstractContextManager[torch.Tensor]] | None = None,
                     faults: FaultInjector = NO_FAULTS, stop: StopRequest | None = None) -> int:
@@ -203,7 +233,9 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
             tqdm(
                 total=total, unit="B", unit_scale=True, desc=f"checkpoint {path.name}", disable=not progress
             ) as bar,
+            ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as pool,
         ):
+            checks = _PieceChecks(pool, finite=False)
             f.write(struct.pack("<Q", len(head)) + head)
             bar.update(8 + len(head))
             for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
@@ -211,15 +243,14 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
                 with read(kind, frag) if read is not None else contextlib.nullcontext(bufs[kind][frag]) as source:
                     piece = source.detach()[offset : offset + numel]
                     raw = piece.cpu().contiguous().view(torch.uint8).numpy().data
-                    crc = 0
                     for start in range(0, len(raw), _CHUNK):
                         if stop is not None:
                             stop.check(f"writing checkpoint {path}")
                         part = raw[start : start + _CHUNK]
+                        checks.add(part)
                         f.write(part)
-                        crc = zlib.crc32(part, crc)
                         bar.update(len(part))
-                    checksums[name] = f"{crc:08x}"
+                    checksums[name] = f"{checks.result()[0]:08x}"  # before the lease on `source` ends
             final_head = header_bytes()  # the same length: every checksum is 8 hex digits
             if len(final_head) != len(head):
                 raise RuntimeError("checkpoint header changed length when its checksums were filled in")
@@ -301,10 +332,11 @@ def _data_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
 
 def _read_tensors(path: Path, layout: Layout, with_accum: bool, checksums: dict[str, str] | None,
                   bufs: dict[str, list[torch.Tensor]]) -> None:
-    """Read every tensor straight into its fragment buffer, a chunk at a time: each chunk's CRC-32 and
-    finiteness are checked while it is still in cache, and no second copy of a tensor is made."""
+    """Read every tensor straight into its fragment buffer, a piece at a time (no second copy),
+    each piece's CRC-32 and finiteness checked on a helper thread while the next one is read."""
     data_start, offsets = _data_offsets(path)
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as pool:
+        checks = _PieceChecks(pool, finite=True)
         for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
             begin, end = offsets[name]
             if end - begin != 4 * numel:
@@ -313,7 +345,6 @@ def _read_tensors(path: Path, layout: Layout, with_accum: bool, checksums: dict[
             dest = bufs[name.split("/", 1)[0]][frag][offset : offset + numel]
             raw = dest.view(torch.uint8).numpy().data
             f.seek(data_start + begin)
-            crc, finite = 0, True
             for start in range(0, len(raw), _CHUNK):
                 part = raw[start : start + _CHUNK]
                 got = 0
@@ -322,9 +353,8 @@ def _read_tensors(path: Path, layout: Layout, with_accum: bool, checksums: dict[
                     if not n:
                         raise CheckpointError(f"checkpoint {path} is truncated (in tensor {name})")
                     got += n
-                crc = zlib.crc32(part, crc)
-                values = dest[start // 4 : (start + len(part)) // 4]
-                finite = finite and math.isfinite(values.sum().item())  # NaN and Inf propagate into the sum
+                checks.add(part)
+            crc, finite = checks.result()
             if checksums is not None and f"{crc:08x}" != checksums[name]:
                 raise CheckpointError(f"checkpoint {path}: tensor {name} does not match its checksum (the file "
                                       "was damaged after it was written)")

@@ -26,6 +26,7 @@ from syncer.plan import (
     Tensor,
     bcast_wire_bytes,
     fragment_params,
+    island_memory,
     on_the_wire,
     payload_bytes,
     predict,
@@ -368,3 +369,14 @@ def test_cli_refusals_are_one_line_and_exit_2(argv: list[str], message: str,
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.startswith("yeto-plan: ") and message in err and err.count("\n") == 1, err
+
+
+def test_an_islands_memory_counts_anchors_work_buffers_and_one_payload_each_way() -> None:
+    sizes = [1000, 3000, 2000]  # the largest fragment sizes every buffer
+    f32 = island_memory(Choice(24, "f32", "f32", 3, 2), sizes)
+    assert (f32.anchors, f32.work_buffers, f32.push_payload, f32.broadcast_receive) == (
+        4.0 * 6000, 4.0 * 3 * 3000, 4.0 * 3000, 4.0 * 3000)
+    assert f32.total == 4.0 * 6000 + 4.0 * 5 * 3000
+    int8 = island_memory(Choice(24, "int8", "bf16-delta", 3, 2), sizes)
+    assert int8.push_payload == payload_bytes("int8", 3000) and int8.broadcast_receive == 2.0 * 3000
+    assert int8.anchors == f32.anchors and int8.work_buffers == f32.work_buffers
