@@ -5,9 +5,10 @@
 
 For each model, runs of the same Trainer alternate in one process, without yeto and with the
 `YetoDiLoCo` callback (a real `python -m syncer` of one learner on 127.0.0.1, H = 24, P = 4, the
-shipped settings), `--pairs` times, so both arms see the same machine. Training uses `--threads`
-torch threads (1 by default, leaving a core of a 2-core machine to the syncer, which a real island
-does not share its machine with, and to the island's own link threads). Each step's time is the wall
+shipped settings), `--pairs` times, so both arms see the same machine. The Trainer's process (its
+training thread, and yeto's link threads beside it) is pinned to core 0 and the syncer to the other
+cores, since a real island does not share its machine with the syncer (`--no-pin` does not), and
+training uses `--threads` torch threads (1). Each step's time is the wall
 time between one `on_step_end` and the next, measured by a callback that runs before yeto's: it
 holds the forward, backward and optimizer step and everything yeto's callback did after the
 previous step (a fragment read, θ − anchor, an install). The first two steps of a run (start-up,
@@ -125,6 +126,13 @@ def one_run(spec: dict[str, int], steps: int, workdir: Path, syncer_env: dict[st
     return out
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of `pid` onto `cores` (threads it starts later inherit the mask)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.sched_setaffinity(int(task.name), cores)
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -143,6 +151,8 @@ def measure(name: str, spec: dict[str, int], args: argparse.Namespace, tmp: Path
                 runs[arm].append(one_run(spec, args.steps, workdir, None))
                 continue
             syncer = ProbedSyncer(workdir, key_file, FRAGMENTS, "cpu", learners=1)
+            if args.pin:
+                pin(syncer.proc.pid, set(range(1, os.cpu_count() or 2)))
             try:
                 env = {"YETO_DILOCO_SYNCER": f"127.0.0.1:{syncer.port}", "YETO_DILOCO_KEY_FILE": str(key_file),
                        "YETO_DILOCO_LEARNER_ID": "0", "YETO_DILOCO_SYNC_INTERVAL": str(H)}
@@ -170,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="main,llama60m", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--pairs", type=int, default=2, help="runs of each arm, alternating (default 2)")
     ap.add_argument("--steps", type=int, default=72, help="steps per run (default 72: three rounds of H = 24)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1: on a 2-core machine the other core is left to the local syncer, "
-                    "which a real island does not share its machine with, and to the island's link threads)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the Trainer's core)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="do not pin the Trainer's process to core 0 and the syncer to the other cores")
     ap.add_argument("--out", type=Path, default=None, help="write stall.json here")
     ap.add_argument("--quick", action="store_true", help="the main job's model, one pair of 30-step runs")
     args = ap.parse_args(argv)
@@ -183,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--models: unknown {', '.join(unknown)}; accepted: {', '.join(MODELS)}")
     if args.pairs < 1 or args.steps < H // FRAGMENTS + SKIP_HEAD + SKIP_TAIL + 2:
         ap.error("--pairs must be >= 1 and --steps long enough for a push")
+    args.pin = args.pin and (os.cpu_count() or 1) >= 2
+    if args.pin:  # before torch starts its threads: they inherit core 0
+        pin(os.getpid(), {0})
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
