@@ -17,7 +17,8 @@ baseline of the same bytes measured in the same run (only ratios mean anything o
 * `ckpt_write`: `save_checkpoint` of params + momentum; against `write` + `fsync` of the same bytes.
 * `ckpt_read`: `load_checkpoint` (checksums and finiteness verified); against `readinto` of the
   same file into fresh memory, the page cache dropped before both.
-* `syncer_rss`: the syncer's peak RSS (VmHWM) at the end of the M-learner run ÷ the model's bytes.
+* `syncer_rss`: the syncer's peak RSS (VmHWM) ÷ the model's bytes, after the timed rounds and P
+  more in which every learner answers each pull at once (the pipeline full, every fragment merged).
 * `island_rss`: a real `LearnerSession` island's peak RSS beyond its own weights ÷ the model's bytes.
 
 The wire measures use the real syncer (`python -m syncer` with `benchmarks.ingest`'s timestamp probes)
@@ -35,6 +36,7 @@ M + 3 passes over a fragment, so it is judged by its growth instead):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -170,6 +172,7 @@ def wire_times(model_bytes: int, m: int, args: argparse.Namespace, raw: RawLoopb
             times["merge_tape"].append(commit["merge_ms"] / 1e3)
             time.sleep(0.05)
             times["raw_fanout"].append(raw.transfer(m * push_bytes))
+        steady_rounds(learners, syncer, delta, args.fragments)
         peak = rss_bytes(syncer.proc.pid, "VmHWM")
     finally:
         for lr in learners:
@@ -178,6 +181,33 @@ def wire_times(model_bytes: int, m: int, args: argparse.Namespace, raw: RawLoopb
     out: dict[str, Any] = {k: statistics.median(v) for k, v in times.items() if v}
     out["syncer_rss"] = peak / model_bytes
     return out
+
+
+def steady_rounds(learners: list[Learner], syncer: ProbedSyncer, delta: Any, fragments: int) -> None:
+    """Rounds as a run makes them, for the syncer's peak memory: every learner answers every pull it
+    holds at once, so the pipeline's rounds are in flight together, until each fragment has
+    committed once more (its momentum, which stays untouched zeros until then, is then all written)."""
+    from yeto_core.client import PushJob
+
+    def committed() -> int:
+        count = 0
+        for line in syncer.tape.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                count += json.loads(line).get("event") == "commit"
+        return count
+
+    target = committed() + fragments
+    deadline = time.monotonic() + 600
+    while committed() < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"steady rounds: {committed()} of {target} commits after 600 s:\n{syncer.log_tail()}")
+        for lr in learners:
+            while lr.pulls:
+                pull = lr.pulls.pop(0)
+                lr.client.submit(PushJob(pull, pull.version, tokens=4096, steps=1, step_s=None, delta=delta))
+        until = time.monotonic() + 0.2
+        _pump_all(learners, [lambda lr=lr, until=until: bool(lr.pulls) or time.monotonic() > until
+                             for lr in learners], 10, "pulls of the steady rounds")
 
 
 def island_rss(model_bytes: int, args: argparse.Namespace, workdir: Path, key_file: Path) -> dict[str, Any]:

@@ -53,7 +53,6 @@ CHUNK_OVERHEAD = FRAME_HEADER + 24
 MSS, ETHERNET_FRAME, ACK_FRAME = 1448, 1514, 66
 
 THROTTLE_POLL_S = 0.02  # syncer/protocol.py wakeup(): a throttled launch is looked at every 20 ms
-RECEIVE_POOL_IDLE = 1 << 30  # yeto_core/wire/buffers.py DEFAULT_IDLE_BYTES: recycled receive buffers kept
 RUNTIME_BYTES = 300 << 20  # the syncer's interpreter, torch and sockets (260 MiB RSS in README's soak run)
 
 # Bounds a machine can honour. Every count an input gives is checked against them before anything is
@@ -299,9 +298,10 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
         answers_in_flight=4.0 * depth * pushing * n_max,
         merge_workspace=4.0 * (pushing + 2) * n_max,  # the stacked deltas, the merged delta, a step temporary
         broadcast_copy=4.0 * n_max,
-        # a quantized round's payloads until decoded, and finished buffers the pool keeps for reuse
-        receive_buffers=float(pushing * encoded + min(RECEIVE_POOL_IDLE, pushing * payload_bytes(
-            choice.codec, n_max, setup.block))),
+        # A quantized round's payloads until decoded. The pool's idle buffers are not counted again:
+        # each is a payload (or, f32, an answer in flight) between two uses, never both at once;
+        # benchmarks/scale.py measured this sum within 10% at 256 MiB and 1 GiB, M = 2 and 4.
+        receive_buffers=float(pushing * encoded),
         checkpoint_copies=8.0 * n_total if host.background_checkpoint else 0.0,
         runtime=float(RUNTIME_BYTES),
     )
