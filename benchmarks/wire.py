@@ -83,8 +83,7 @@ def _push_section(args: argparse.Namespace, tmp: Path, key: bytes, key_file: Pat
     syncer = ProbedSyncer(workdir, key_file, args.fragments, args.device)
     learner = None
     try:
-        learner = Learner(syncer.port, key, layout, init, args.streams)
-        learner.client.codec = learner.client.codec._inner  # type: ignore[attr-defined]  # F32 itself: no copy
+        learner = Learner(syncer.port, key, layout, init, args.streams)  # f32 stays unwrapped: no copy
         learner.start()
         p = layout.num_fragments
         learner.pump(lambda: len(learner.bcast_versions) == p and bool(learner.pulls), 120,
@@ -156,7 +155,6 @@ def _fanout_section(args: argparse.Namespace, tmp: Path, key: bytes, key_file: P
         # Learners 1..N-1 first, so that every one is live when the initial cut launches round 0.
         for lid in [*range(1, n), 0]:
             lr = Learner(syncer.port, key, layout, init, args.streams, learner_id=lid)
-            lr.client.codec = lr.client.codec._inner  # type: ignore[attr-defined]
             _stamp_bcasts(lr, stamps)
             learners.append(lr)
             lr.start()
