@@ -220,7 +220,9 @@ class FragmentSync:
             sent, marks = state.sent, state.sent_marks
             if msg.version != state.version:
                 first = state.version < 0
-                if self.overlap and not first:
+                # A released anchor (DONE sent, or this fragment's FINAL in) leaves nothing to rebase
+                # onto: this island pushes no more, so Θ goes in as an overwrite.
+                if self.overlap and not first and state.anchor is not None:
                     if not self._rebase(state, index, msg, values):
                         marks = None  # the progress before the push is still ours to push: keep the marks
                 else:
