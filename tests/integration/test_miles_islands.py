@@ -205,7 +205,7 @@ def test_overlap_counts_every_step_once_and_a_syncer_restart_changes_no_bit(
     assert syncers[0].checkpoint is not None
     check_final(reports, syncers[0].checkpoint)
     by_round = {c["round"]: c for s in syncers for c in s.commits()}  # a redone round: the last commit counts
-    assert sorted(by_round) == list(range(ROLLOUTS * 2))
+    assert sorted(by_round) == list(range(ROLLOUTS * 2)), "\n".join(s.proc.tail() for s in syncers)
     for lid in (0, 1):
         for fragment in (0, 1):
             steps = [c["steps"][c["learners"].index(lid)] for r, c in by_round.items() if r % 2 == fragment]
