@@ -220,8 +220,8 @@ class FragmentSync:
             sent, marks = state.sent, state.sent_marks
             if msg.version != state.version:
                 first = state.version < 0
-                # A released anchor (this fragment's FINAL is in) leaves nothing to rebase onto: the
-                # run is final and this island pushes no more, so Θ goes in as an overwrite.
+                # A released anchor (DONE sent, or this fragment's FINAL in) leaves nothing to rebase
+                # onto: this island pushes no more, so Θ goes in as an overwrite.
                 if self.overlap and not first and state.anchor is not None:
                     if not self._rebase(state, index, msg, values):
                         marks = None  # the progress before the push is still ours to push: keep the marks
@@ -294,6 +294,12 @@ class FragmentSync:
         state.anchor = values
         state.tokens_mark = self.stats.tokens
         state.steps_mark = self.stats.steps
+
+    def release_anchors(self) -> None:
+        """DONE is sent: this island pushes nothing more, so its anchors are let go, and the final cut
+        is received into their memory (the end's peak is one copy of the model beside the weights)."""
+        for state in self.fragments:
+            state.anchor = None
 
     def install_final(self) -> int:
         """Install every fragment's final cut exactly; the syncer's round count."""

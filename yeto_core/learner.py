@@ -380,6 +380,7 @@ class LearnerSession:
             needs_done = self._generation is not None and self._done_sent_on != self.sync.links
             if not flushing and not settling and needs_done and self.link.send(Done(self.stats.steps)):
                 self._done_sent_on = self.sync.links
+                self.sync.release_anchors()
             self._tick(0.05 if flushing or settling else 0.5)
             if self.final_ready:
                 self._install_final()

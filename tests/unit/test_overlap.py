@@ -156,17 +156,16 @@ def test_a_blocking_fragment_is_installed_at_its_own_boundary() -> None:
 
 
 def test_a_broadcast_after_the_anchors_were_released_goes_in_as_an_overwrite() -> None:
-    # The fragment's FINAL releases its anchor; a broadcast still on its way then has nothing to
-    # rebase onto, and the island pushes no more: it installs exactly. (DONE keeps the anchors: a
-    # syncer restarted from an older round asks again for the steps since them.)
+    # DONE (or the fragment's FINAL) releases the anchors; a broadcast still on its way then has
+    # nothing to rebase onto, and the island pushes no more: it installs exactly.
     fed = HandFed(overlap=True)
     g0 = torch.full((N,), 100.0)
     fed.initial_cut(g0)
     fed.pull(0, 0)
     fed.train(2)  # a push of round 0
     assert len(fed.jobs) == 1
+    fed.session.sync.release_anchors()
     g1 = torch.full((N,), 5.0)
-    fed.link.final(0, 1, g1)  # the run ended meanwhile
     fed.bcast(1, 0, g1, merged=True)
     fed.pull(1, 1)
     fed.train(1)  # step 3's progress, then G1 installed over it: an overwrite, not a rebase
