@@ -1,8 +1,10 @@
 """The syncer's merge math: pure functions over tensors (DESIGN §3.1, §5).
 
-A round hands the syncer one fragment's deltas from M learners as a single ``[M, N]`` float32
-buffer, one row per learner, each row the learner's d = θ_local − anchor laid out as the
-fragment's flat buffer. The math, in the order the coordinator applies it:
+A round hands the syncer one fragment's deltas from M learners, one row per learner, each row
+the learner's d = θ_local − anchor laid out as the fragment's flat buffer: an ``[M, N]`` float32
+tensor, or ``Rows``, M separate 1-D float32 tensors (the pushes where they were received, so a
+merge never copies them into one stack: M·N·4 bytes the syncer does not hold twice). The math,
+in the order the coordinator applies it:
 
 1. ``learner_weights`` — w_m = tokens_m² / steps_m / (1 + age_m), normalised.
 2. ``merge_deltas`` — per tensor (``Segment``) of the fragment, radial-directional averaging
@@ -15,7 +17,7 @@ Everything works on whatever device the inputs live on and synchronises with the
 a caller asks for a Python number (``accurate_norm``, ``check_finite``). Norms matter to RDA and
 fp32 reductions over tens of millions of elements drift by ~1e-3 relative, so every norm here is
 taken per block of ``_NORM_BLOCK`` elements in float32 and the blocks are combined in float64.
-Nothing allocates a full-size ``[M, N]`` temporary.
+Nothing allocates a full-size ``[M, N]`` temporary, nor stacks the rows it is given.
 
 ``merge_deltas(..., threads=N)`` and ``check_finite(..., threads=N)`` spread independent work over N
 CPU threads (torch kernels release the GIL) and give exactly the bits of ``threads=1``: every
@@ -37,8 +39,10 @@ import torch
 from syncer.iso import isotropic_
 
 __all__ = [
+    "Rows",
     "Segment",
     "accurate_norm",
+    "add_pulled",
     "check_finite",
     "learner_weights",
     "merge_deltas",
@@ -59,9 +63,40 @@ _CANCEL_ULPS = 4
 _F32_EPS = float(torch.finfo(torch.float32).eps)
 # Column chunk of check_finite's element-wise re-check (and of its threaded sums).
 _FINITE_CHUNK = 1 << 22
+# Chunk of the outer step's one temporary (g + μ·m): 4 MiB, not a fragment-sized buffer. A multiple
+# of every vector width, so each chunk is done by the same vectorised loop as the whole would be.
+STEP_CHUNK = 1 << 20
 # With threads, small segments are handed out in about this many batches per thread, so one
 # batch of large tensors does not leave the other threads idle while it finishes.
 _BATCHES_PER_THREAD = 4
+
+
+Rows = Sequence[torch.Tensor]
+"""A round's deltas as M 1-D float32 tensors of one length on one device; an ``[M, N]`` tensor also serves."""
+
+
+def _as_rows(name: str, deltas: torch.Tensor | Rows) -> list[torch.Tensor]:
+    """The rows of ``deltas``, checked: M >= 1 1-D float32 tensors of one length on one device."""
+    rows = list(deltas.unbind()) if isinstance(deltas, torch.Tensor) and deltas.dim() == 2 else None
+    if rows is None:
+        if isinstance(deltas, torch.Tensor):
+            raise ValueError(f"{name}: deltas must be a [M, n] float32 tensor or M rows, got shape "
+                             f"{tuple(deltas.shape)}")
+        rows = list(deltas)
+    if not rows:
+        raise ValueError(f"{name}: deltas must hold M >= 1 rows, got none")
+    first = rows[0]
+    for m, row in enumerate(rows):
+        if (row.dim() != 1 or row.dtype != torch.float32 or row.numel() != first.numel()
+                or row.device != first.device):
+            raise ValueError(f"{name}: deltas must be M float32 rows of one length on one device; row {m} is "
+                             f"{row.dtype} {tuple(row.shape)} on {row.device}, row 0 {tuple(first.shape)} on "
+                             f"{first.device}")
+    return rows
+
+
+def _cols(rows: Rows, start: int, stop: int) -> list[torch.Tensor]:
+    return [row[start:stop] for row in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,26 +152,27 @@ def learner_weights(tokens: Sequence[int], steps: Sequence[int], ages: Sequence[
     return torch.tensor([w / total for w in raw], dtype=torch.float64)
 
 
-def _row_sq_norms(rows: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each row of a ``[M, n]`` float32 view, as float64 ``[M]`` on its device.
+def _row_sq_norms(rows: torch.Tensor | Rows) -> torch.Tensor:
+    """Squared L2 norm of each row (of a ``[M, n]`` float32 view, or of M 1-D rows), as float64
+    ``[M]`` on their device. A row that is not stride-1 is first made contiguous."""
+    if isinstance(rows, torch.Tensor):
+        rows = list(rows.unbind())
+    return torch.stack([_sq_norm(row) for row in rows])
 
-    Rows may be strided (a column slice of a wider buffer) but must be stride-1 inside.
-    """
-    if rows.stride(1) != 1 and rows.size(1) > 1:
-        rows = rows.contiguous()
-    m, n = rows.shape
+
+def _sq_norm(x: torch.Tensor) -> torch.Tensor:
+    """‖x‖² of a 1-D float32 tensor as a float64 scalar tensor: float32 norms of blocks of
+    ``_NORM_BLOCK``, squared and summed in float64."""
+    if x.stride(0) != 1 and x.numel() > 1:
+        x = x.contiguous()
+    n = x.numel()
     k = n // _NORM_BLOCK
     body = k * _NORM_BLOCK
-    if n == 0:
-        return torch.zeros(m, dtype=torch.float64, device=rows.device)
-    total: torch.Tensor | None = None
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
     if k:
-        blocks = torch.linalg.vector_norm(rows[:, :body].unflatten(1, (k, _NORM_BLOCK)), dim=2)
-        total = blocks.double().square_().sum(dim=1)
+        total = torch.linalg.vector_norm(x[:body].view(k, _NORM_BLOCK), dim=1).double().square_().sum()
     if body < n:
-        tail = torch.linalg.vector_norm(rows[:, body:], dim=1).double().square_()
-        total = tail if total is None else total.add_(tail)
-    assert total is not None
+        total = total + torch.linalg.vector_norm(x[body:]).double().square()
     return total
 
 
@@ -149,62 +185,57 @@ def accurate_norm(x: torch.Tensor) -> float:
     """
     if x.dim() != 1:
         raise ValueError(f"accurate_norm: expected a 1-D tensor, got shape {tuple(x.shape)}")
-    return math.sqrt(float(_row_sq_norms(x.unsqueeze(0))[0]))
+    return math.sqrt(float(_sq_norm(x)))
 
 
-def _check_pair(name: str, deltas: torch.Tensor, weights: torch.Tensor) -> None:
-    if deltas.dim() != 2 or deltas.dtype != torch.float32 or deltas.size(0) == 0:
-        raise ValueError(f"{name}: deltas must be a [M, n] float32 tensor with M >= 1, got "
-                         f"{deltas.dtype} {tuple(deltas.shape)}")
-    if weights.shape != (deltas.size(0),):
-        raise ValueError(f"{name}: {tuple(weights.shape)} weights for {deltas.size(0)} learners")
+def _check_pair(name: str, deltas: torch.Tensor | Rows, weights: torch.Tensor) -> list[torch.Tensor]:
+    rows = _as_rows(name, deltas)
+    if weights.shape != (len(rows),):
+        raise ValueError(f"{name}: {tuple(weights.shape)} weights for {len(rows)} learners")
+    return rows
 
 
-def _out_for(name: str, deltas: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    n = deltas.size(1)
+def _out_for(name: str, rows: Rows, out: torch.Tensor | None) -> torch.Tensor:
+    n, device = rows[0].numel(), rows[0].device
     if out is None:
-        return torch.empty(n, dtype=torch.float32, device=deltas.device)
-    if out.shape != (n,) or out.dtype != torch.float32 or out.device != deltas.device:
-        raise ValueError(f"{name}: out must be a float32 [{n}] tensor on {deltas.device}, got "
+        return torch.empty(n, dtype=torch.float32, device=device)
+    if out.shape != (n,) or out.dtype != torch.float32 or out.device != device:
+        raise ValueError(f"{name}: out must be a float32 [{n}] tensor on {device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 
 
 def _combine_into(
-    rows: torch.Tensor, coef: torch.Tensor, out: torch.Tensor, parts: list[torch.Tensor] | None = None
+    rows: Rows, coef: torch.Tensor, out: torch.Tensor, parts: list[torch.Tensor] | None = None
 ) -> torch.Tensor:
     """out = Σ_m coef[m] · rows[m], without a temporary the size of ``rows``.
 
-    On CPU the sum runs over cache-sized column chunks with one fused multiply-add per learner,
-    in learner order, so the bits do not depend on thread count or chunking; this measured 2-3×
-    faster than ``torch.mv`` on a transposed ``[M, N]`` buffer. Elsewhere one ``torch.mv``.
+    The sum runs over column chunks with one fused multiply-add per learner, in learner order, so
+    the bits do not depend on thread count or chunking; on CPU the chunks are cache-sized (2-3×
+    faster than ``torch.mv`` on a transposed ``[M, N]`` buffer), elsewhere one chunk is the whole.
     With ``parts``, the squared block norms of each chunk written are appended to it while the
     chunk is still in cache (``_block_sq``): RDA needs the norm of what it combined.
     """
-    if rows.device.type != "cpu":
-        torch.mv(rows.t(), coef, out=out)
-        if parts is not None:
-            parts.append(_block_sq(out))
-        return out
     scalars = coef.unbind()
-    n = rows.size(1)
-    for start in range(0, n, _CPU_CHUNK):
-        part = _combine_chunk(rows, scalars, out, start, min(start + _CPU_CHUNK, n), parts is not None)
+    n = rows[0].numel()
+    chunk = _CPU_CHUNK if rows[0].device.type == "cpu" else max(n, 1)
+    for start in range(0, n, chunk):
+        part = _combine_chunk(rows, scalars, out, start, min(start + chunk, n), parts is not None)
         if parts is not None and part is not None:
             parts.append(part)
     return out
 
 
 def _combine_chunk(
-    rows: torch.Tensor, scalars: Sequence[torch.Tensor], out: torch.Tensor, start: int, stop: int,
+    rows: Rows, scalars: Sequence[torch.Tensor], out: torch.Tensor, start: int, stop: int,
     norms: bool = False,
 ) -> torch.Tensor | None:
-    """One column chunk of ``_combine_into``: out[start:stop] = Σ_m scalars[m] · rows[m, start:stop];
+    """One column chunk of ``_combine_into``: out[start:stop] = Σ_m scalars[m] · rows[m][start:stop];
     with ``norms``, the chunk's squared block norms (chunks start on block boundaries)."""
     dst = out[start:stop]
-    torch.mul(rows[0, start:stop], scalars[0], out=dst)
-    for m in range(1, rows.size(0)):
-        dst.addcmul_(rows[m, start:stop], scalars[m])
+    torch.mul(rows[0][start:stop], scalars[0], out=dst)
+    for m in range(1, len(rows)):
+        dst.addcmul_(rows[m][start:stop], scalars[m])
     return _block_sq(dst) if norms else None
 
 
@@ -249,16 +280,16 @@ def _as_float32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def _rda_into(deltas: torch.Tensor, w: Sequence[float], out: torch.Tensor,
+def _rda_into(rows: Rows, w: Sequence[float], out: torch.Tensor,
               sq_norms: torch.Tensor | None = None, negate: bool = False) -> torch.Tensor:
-    norms, coef = _rda_coef(_row_sq_norms(deltas) if sq_norms is None else sq_norms, w)
+    norms, coef = _rda_coef(_row_sq_norms(rows) if sq_norms is None else sq_norms, w)
     parts: list[torch.Tensor] = []
-    _combine_into(deltas, torch.tensor(coef, dtype=torch.float32, device=deltas.device), out, parts)
+    _combine_into(rows, torch.tensor(coef, dtype=torch.float32, device=out.device), out, parts)
     scale = _rda_scale(w, norms, coef, parts)
     return out.mul_(-scale if negate else scale)
 
 
-def rda(deltas: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def rda(deltas: torch.Tensor | Rows, weights: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Radial-directional averaging of one tensor's learner deltas (Decoupled DiLoCo).
 
     With row deltas δ_m and weights w_m (summing to 1):
@@ -269,24 +300,24 @@ def rda(deltas: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None
     rounding of the sum (4·M·ε·Σ_m w_m over rows with a direction) counts as 0, so exactly
     opposite steps merge to zero instead of to rounding noise blown up to length r.
 
-    ``deltas`` is ``[M, n]`` float32 (rows may be column slices of a wider buffer), ``weights``
-    is ``[M]``; the float32 ``[n]`` result is written to ``out`` when given.
+    ``deltas`` is ``[M, n]`` float32 (rows may be column slices of a wider buffer) or ``Rows``,
+    ``weights`` is ``[M]``; the float32 ``[n]`` result is written to ``out`` when given.
     """
-    _check_pair("rda", deltas, weights)
-    return _rda_into(deltas, weights.double().tolist(), _out_for("rda", deltas, out))
+    rows = _check_pair("rda", deltas, weights)
+    return _rda_into(rows, weights.double().tolist(), _out_for("rda", rows, out))
 
 
 def weighted_average(
-    deltas: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | None = None
+    deltas: torch.Tensor | Rows, weights: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Σ_m w_m δ_m over the rows of a ``[M, n]`` float32 tensor, with no ``[M, n]`` temporary.
+    """Σ_m w_m δ_m over the rows (``[M, n]`` float32, or ``Rows``), with no ``[M, n]`` temporary.
 
     The plain DiLoCo average (``--merge average``). RDA merges embeddings as well: its norms are
     per tensor, so rows an island left untouched count as zeros there just as in this mean.
     """
-    _check_pair("weighted_average", deltas, weights)
-    w32 = weights.to(device=deltas.device, dtype=torch.float32)
-    return _combine_into(deltas, w32, _out_for("weighted_average", deltas, out))
+    rows = _check_pair("weighted_average", deltas, weights)
+    w32 = weights.to(device=rows[0].device, dtype=torch.float32)
+    return _combine_into(rows, w32, _out_for("weighted_average", rows, out))
 
 
 def _check_segments(name: str, n: int, segments: Sequence[Segment], what: str = "the fragment") -> None:
@@ -301,8 +332,8 @@ def _check_segments(name: str, n: int, segments: Sequence[Segment], what: str = 
         raise ValueError(f"{name}: segments cover {expected} elements, {what} has {n}")
 
 
-def segment_sq_norms(deltas: torch.Tensor, segments: Sequence[Segment], *, threads: int = 1) -> torch.Tensor:
-    """The squared L2 norm of every row of every segment of ``[M, N]`` float32 deltas, as a float64
+def segment_sq_norms(deltas: torch.Tensor | Rows, segments: Sequence[Segment], *, threads: int = 1) -> torch.Tensor:
+    """The squared L2 norm of every row of every segment of ``[M, N]`` float32 deltas (or ``Rows``), as a float64
     ``[M, S]`` tensor on their device, each accurate like ``accurate_norm``; a row's squared norm
     is the sum of its line.
 
@@ -310,18 +341,17 @@ def segment_sq_norms(deltas: torch.Tensor, segments: Sequence[Segment], *, threa
     (``merge_deltas(sq_norms=...)``) and tell a delta whose norm overflows float32. ``threads`` > 1
     spreads the segments over that many CPU threads, each taken by the same call as serially.
     """
-    if deltas.dim() != 2:
-        raise ValueError(f"segment_sq_norms: expected [M, N] deltas, got shape {tuple(deltas.shape)}")
-    _check_segments("segment_sq_norms", deltas.size(1), segments)
-    out = torch.zeros(deltas.size(0), len(segments), dtype=torch.float64, device=deltas.device)
+    rows = _as_rows("segment_sq_norms", deltas)
+    _check_segments("segment_sq_norms", rows[0].numel(), segments)
+    out = torch.zeros(len(rows), len(segments), dtype=torch.float64, device=rows[0].device)
 
     def take(batch: Sequence[tuple[int, Segment]]) -> None:
         for i, seg in batch:
             if seg.numel:
-                out[:, i] = _row_sq_norms(deltas[:, seg.offset : seg.offset + seg.numel])
+                out[:, i] = _row_sq_norms(_cols(rows, seg.offset, seg.offset + seg.numel))
 
     indexed = list(enumerate(segments))
-    if threads > 1 and deltas.device.type == "cpu" and len(indexed) > 1:
+    if threads > 1 and rows[0].device.type == "cpu" and len(indexed) > 1:
         batches = _indexed_batches(indexed, threads * _BATCHES_PER_THREAD)
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="yeto-norms") as pool:
             _run_all(pool, [partial(take, batch) for batch in batches])
@@ -331,7 +361,7 @@ def segment_sq_norms(deltas: torch.Tensor, segments: Sequence[Segment], *, threa
 
 
 def merge_deltas(
-    deltas: torch.Tensor,
+    deltas: torch.Tensor | Rows,
     weights: torch.Tensor,
     segments: Sequence[Segment],
     out: torch.Tensor | None = None,
@@ -341,7 +371,7 @@ def merge_deltas(
     sq_norms: torch.Tensor | None = None,
     negate: bool = False,
 ) -> torch.Tensor:
-    """Merge one fragment's ``[M, N]`` learner deltas into a float32 ``[N]`` merged delta.
+    """Merge one fragment's ``[M, N]`` learner deltas (or ``Rows``) into a float32 ``[N]`` merged delta.
 
     Each ``Segment`` (one tensor; the segments lie back to back and cover ``[0, N)``) is merged
     by ``rda`` or ``weighted_average`` as it asks, straight into its slice of ``out``.
@@ -360,26 +390,27 @@ def merge_deltas(
     ``iso`` (an `IsoPool`) flattens the ``iso_shape`` matrices' spectra in its worker processes
     instead of here, one whole matrix per worker: the same bits whatever the workers.
     """
-    _check_pair("merge_deltas", deltas, weights)
+    rows = _check_pair("merge_deltas", deltas, weights)
     if threads < 1:
         raise ValueError(f"merge_deltas: threads must be >= 1, got {threads}")
-    _check_segments("merge_deltas", deltas.size(1), segments)
-    if sq_norms is not None and (sq_norms.shape != (deltas.size(0), len(segments))
-                                 or sq_norms.dtype != torch.float64 or sq_norms.device != deltas.device):
-        raise ValueError(f"merge_deltas: sq_norms must be float64 [{deltas.size(0)}, {len(segments)}] on "
-                         f"{deltas.device}, got {sq_norms.dtype} {tuple(sq_norms.shape)} on {sq_norms.device}")
-    result = _out_for("merge_deltas", deltas, out)
+    device = rows[0].device
+    _check_segments("merge_deltas", rows[0].numel(), segments)
+    if sq_norms is not None and (sq_norms.shape != (len(rows), len(segments))
+                                 or sq_norms.dtype != torch.float64 or sq_norms.device != device):
+        raise ValueError(f"merge_deltas: sq_norms must be float64 [{len(rows)}, {len(segments)}] on "
+                         f"{device}, got {sq_norms.dtype} {tuple(sq_norms.shape)} on {sq_norms.device}")
+    result = _out_for("merge_deltas", rows, out)
     w = weights.double().tolist()  # RDA's scalar math, on the host
-    w32 = weights.to(device=deltas.device, dtype=torch.float32)
+    w32 = weights.to(device=device, dtype=torch.float32)
     w32 = w32.neg() if negate else w32
     given = list(sq_norms.unbind(1)) if sq_norms is not None else [None] * len(segments)
-    if threads > 1 and deltas.device.type == "cpu":
-        _merge_threaded(deltas, w, w32, segments, given, result, threads, negate)
+    if threads > 1 and device.type == "cpu":
+        _merge_threaded(rows, w, w32, segments, given, result, threads, negate)
     else:
         for seg, sq in zip(segments, given, strict=True):
             if seg.numel == 0:
                 continue
-            cols = deltas[:, seg.offset : seg.offset + seg.numel]
+            cols = _cols(rows, seg.offset, seg.offset + seg.numel)
             dst = result[seg.offset : seg.offset + seg.numel]
             if seg.rda:
                 _rda_into(cols, w, dst, sq, negate)
@@ -443,7 +474,7 @@ def _indexed_batches(items: Sequence[tuple[int, Segment]], parts: int) -> list[l
 
 
 def _merge_threaded(
-    deltas: torch.Tensor,
+    rows: Rows,
     w: Sequence[float],
     w32: torch.Tensor,
     segments: Sequence[Segment],
@@ -459,8 +490,8 @@ def _merge_threaded(
     direction-sum chunks of long RDA segments, each with its block norms; (3) their rescaling
     factors; (4) the rescaling chunks.
     """
-    def cols(seg: Segment) -> torch.Tensor:
-        return deltas[:, seg.offset : seg.offset + seg.numel]
+    def cols(seg: Segment) -> list[torch.Tensor]:
+        return _cols(rows, seg.offset, seg.offset + seg.numel)
 
     def dst(seg: Segment) -> torch.Tensor:
         return result[seg.offset : seg.offset + seg.numel]
@@ -543,14 +574,30 @@ def nesterov_step(
 
     The same arithmetic, op for op, as ``torch.optim.SGD(nesterov=True, dampening=0)``:
     momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum), with g = ``outer_grad``.
-    ``g + μ·momentum`` needs one buffer the size of ``param``; pass ``scratch`` to reuse one.
+    ``g + μ·momentum`` is formed a chunk at a time (``add_pulled``); ``scratch`` lends it the memory.
     """
     if not (param.shape == momentum.shape == outer_grad.shape):
         raise ValueError(f"nesterov_step: shapes differ: param {tuple(param.shape)}, momentum "
                          f"{tuple(momentum.shape)}, outer_grad {tuple(outer_grad.shape)}")
     momentum.mul_(momentum_coef).add_(outer_grad)
-    if scratch is None:
-        step = torch.add(outer_grad, momentum, alpha=momentum_coef)
+    add_pulled(param, outer_grad, momentum, pull=momentum_coef, rate=-lr, scratch=scratch)
+
+
+def add_pulled(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, pull: float, rate: float,
+               scratch: torch.Tensor | None = None) -> None:
+    """param ← param + rate·(grad + pull·momentum), in place, element for element the bits of the
+    unchunked ops, through one temporary of at most ``STEP_CHUNK`` elements (``scratch``, when it
+    is that large, else a new one): the outer step holds no fragment-sized buffer of its own."""
+    n = param.numel()
+    if not (param.is_contiguous() and grad.is_contiguous() and momentum.is_contiguous()):
+        param.add_(torch.add(grad, momentum, alpha=pull), alpha=rate)
+        return
+    size = min(n, STEP_CHUNK)
+    if scratch is not None and scratch.numel() >= size and scratch.is_contiguous() and scratch.device == param.device:
+        buf = scratch.view(-1)[:size]
     else:
-        step = torch.add(outer_grad, momentum, alpha=momentum_coef, out=scratch)
-    param.add_(step, alpha=-lr)
+        buf = torch.empty(size, dtype=param.dtype, device=param.device)
+    p, g, m = param.view(-1), grad.view(-1), momentum.view(-1)
+    for start in range(0, n, STEP_CHUNK):
+        stop = min(start + STEP_CHUNK, n)
+        p[start:stop].add_(torch.add(g[start:stop], m[start:stop], alpha=pull, out=buf[: stop - start]), alpha=rate)

@@ -25,7 +25,7 @@ from typing import Protocol, TypeAlias
 
 import torch
 
-from syncer.merge import nesterov_step
+from syncer.merge import add_pulled, nesterov_step
 from yeto_core.sections import MergeSettings
 
 __all__ = [
@@ -75,7 +75,7 @@ class OuterOptimizer(Protocol):
         *, scratch: torch.Tensor | None = None,
     ) -> None:
         """Update ``param`` and ``momentum`` (and ``state``) from ``outer_grad``; all the same shape.
-        ``scratch``, shaped like them, is reused for the step's one temporary instead of a new one."""
+        ``scratch`` lends the step's one temporary its memory (a chunk of it: ``merge.add_pulled``)."""
         ...
 
     def bound(self, *, param: float, momentum: float, grad: float, accum: float = 0.0) -> float:
@@ -196,14 +196,14 @@ class DelayedNesterov:
             # lr·(k·μ·m + g/N) as (lr/N)·(g + N·k·μ·m), with k = 1 − cN + c = 1 + c(1 − N): for N = 1
             # both factors are exactly 1 and the arithmetic is nesterov_step's.
             pull = n * (1.0 + self.activation * (1 - n)) * mu
-            param.add_(torch.add(outer_grad, momentum, alpha=pull, out=scratch), alpha=-self.lr / n)
+            add_pulled(param, outer_grad, momentum, pull=pull, rate=-self.lr / n, scratch=scratch)
             state[COUNT_KEY] = 0
             return
         assert accum is not None
         accum.add_(outer_grad)
         if self.activation > 0.0:
             pull = n * self.activation * mu
-            param.add_(torch.add(outer_grad, momentum, alpha=pull, out=scratch), alpha=-self.lr / n)
+            add_pulled(param, outer_grad, momentum, pull=pull, rate=-self.lr / n, scratch=scratch)
         else:
             param.add_(outer_grad, alpha=-self.lr / n)
         state[COUNT_KEY] = count + 1

@@ -109,6 +109,7 @@ class SyncerHost:
     checkpoint_bps: float = 1.0e9  # disk write rate of a checkpoint
     background_checkpoint: bool = False
     delayed_nesterov: bool = False  # keeps an f32 accumulator per fragment (syncer/outer.py)
+    heloco: bool = False  # --delta-correction heloco: a round's deltas are corrected in a stacked copy
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,8 @@ def bcast_wire_bytes(downlink: str, numel: int, full_every: int = BCAST_FULL_EVE
 
 # ---- the syncer's memory ----------------------------------------------------------------------------
 
+STEP_TEMP_ELEMENTS = 1 << 20  # syncer/merge.py STEP_CHUNK: the outer step's temporary, a chunk at a time
+
 
 def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: float | None = None) -> Memory:
     """Host bytes the syncer holds on a CPU merge device (`--device cpu`; cuda moves params,
@@ -296,7 +299,10 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
         accumulator=4.0 * n_total if host.delayed_nesterov else 0.0,
         downlink_anchors=4.0 * n_total if choice.downlink == "bf16-delta" else 0.0,
         answers_in_flight=4.0 * depth * pushing * n_max,
-        merge_workspace=4.0 * (pushing + 2) * n_max,  # the stacked deltas, the merged delta, a step temporary
+        # The merged delta and a chunk of the step's temporary; the merge reads the pushes where they
+        # were received, unless HeLoCo corrects them (in a stacked copy).
+        merge_workspace=(4.0 * n_max + 4.0 * min(n_max, STEP_TEMP_ELEMENTS)
+                         + (4.0 * pushing * n_max if host.heloco else 0.0)),
         broadcast_copy=4.0 * n_max,
         # A quantized round's payloads until decoded. The pool's idle buffers are not counted again:
         # each is a payload (or, f32, an answer in flight) between two uses, never both at once;

@@ -152,7 +152,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
     host = SyncerHost(memory_bytes=memory, link_in_bps=link, link_out_bps=link,
                       merge_bps=args.merge_gbps * 1e9, checkpoint_every=args.checkpoint_every,
                       checkpoint_bps=args.checkpoint_gbps * 1e9, background_checkpoint=args.background_checkpoint,
-                      delayed_nesterov=args.delayed_nesterov)
+                      delayed_nesterov=args.delayed_nesterov,
+                      heloco=args.heloco)
     quorum = args.quorum or default_quorum(m)
     islands = tuple(Island(u, d, s) for u, d, s in zip(ups, downs, steps, strict=True))
     setup = Setup(model, islands, quorum, host, pattern=args.pattern, block=args.push_block, rtt_s=args.rtt_ms / 1000,
@@ -322,6 +323,7 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--checkpoint-gbps", type=float, default=1.0, help="checkpoint write rate")
     host.add_argument("--background-checkpoint", action="store_true", help="the syncer writes checkpoints aside")
     host.add_argument("--delayed-nesterov", action="store_true", help="--outer-optimizer delayed-nesterov")
+    host.add_argument("--heloco", action="store_true", help="--delta-correction heloco")
     choice = p.add_argument_group("the plan (each pins one knob; the rest are searched)")
     choice.add_argument("--h", type=int, help="H, inner steps per fragment round trip")
     choice.add_argument("--codec", choices=("f32", "bf16", "int8", "int4", "e3m0", "int4-log"), help="push codec")

@@ -19,7 +19,9 @@ import torch
 from syncer.checkpoint import SyncerState
 from syncer.correction import HelocoConfig, heloco_correct
 from syncer.merge import (
+    STEP_CHUNK,
     Flattener,
+    Rows,
     Segment,
     accurate_norm,
     learner_weights,
@@ -47,8 +49,9 @@ class MergeOutcome:
 
 
 class MergeWorkspace:
-    """Scratch tensors kept from one merge to the next. A merge needs a stack of the deltas, the
-    merged delta and one step-sized temporary; a fresh 64 MiB CPU tensor faults in every page as it is first
+    """Scratch tensors kept from one merge to the next. A merge needs the merged delta and a chunk of
+    the outer step's temporary (with HeLoCo, a corrected copy of the deltas too); a fresh 64 MiB CPU
+    tensor faults in every page as it is first
     written (~16 ms here, allocations that size are always fresh memory), which made up most of
     a merge. Each buffer grows to the largest fragment merged and is viewed at the size asked."""
 
@@ -143,9 +146,9 @@ def prepare_merge(
     commit, as long as none of them is on the same fragment."""
     t0 = time.perf_counter()
     ordered = sorted(answers, key=lambda a: a.learner_id)
-    # One pass over the stacked deltas takes every learner's norm per tensor: RDA weighs its
-    # directions by them, and their sum is the delta's norm for the tape.
-    deltas = _stack(ordered, momentum, workspace)
+    # One pass over the deltas takes every learner's norm per tensor: RDA weighs its directions by
+    # them, and their sum is the delta's norm for the tape.
+    deltas = _rows(ordered, momentum, workspace, heloco)
     sq = segment_sq_norms(deltas, segments, threads=threads)
     totals = sq.sum(dim=1).tolist()
     norms = {a.learner_id: math.sqrt(t) for a, t in zip(ordered, totals, strict=True)}
@@ -155,7 +158,7 @@ def prepare_merge(
         keep = [i for i, a in enumerate(ordered) if a.learner_id not in overflowed]
         ordered = [ordered[i] for i in keep]
         if ordered:
-            deltas, sq = _stack(ordered, momentum, workspace), sq[keep]
+            deltas, sq = _rows(ordered, momentum, workspace, heloco), sq[keep]
     weights = grad = None
     if ordered:
         weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
@@ -196,7 +199,8 @@ def merge_round(
         if grad is None or weights is None:
             weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
                                             threads=threads, workspace=workspace, iso=iso)
-        scratch = None if workspace is None else workspace.take("step", tuple(params.shape), params.device)
+        scratch = None if workspace is None else workspace.take("step", (min(params.numel(), STEP_CHUNK),),
+                                                                params.device)
         grad_norm = accurate_norm(grad)
         if screen_step(outer, params, momentum, grad, outer_state, grad_norm=grad_norm, scratch=scratch):
             return MergeOutcome(ordered, [float(w) for w in weights], grad_norm,
@@ -209,23 +213,29 @@ def merge_round(
     return MergeOutcome([], [], 0.0, [], spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
 
 
-def _stack(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspace | None) -> torch.Tensor:
-    """The learners' deltas as one ``[M, N]`` buffer on the fragment's device (the workspace's, when given)."""
-    rows = [a.delta for a in ordered]
+def _rows(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspace | None,
+          heloco: HelocoConfig | None) -> Rows:
+    """The learners' deltas as the merge reads them: the pushes themselves, where they were received
+    (stacking them would hold a round's M·N floats twice). HeLoCo rewrites the rows it corrects, and a
+    round merged again after an overflow must find the pushes as they came: it gets a stacked copy
+    (in the workspace, when given). A delta on another device than the fragment is moved there."""
+    rows = [a.delta if a.delta.device == momentum.device else a.delta.to(momentum.device) for a in ordered]
+    if heloco is None:
+        return rows
     stacked = None if workspace is None else workspace.take("deltas", (len(rows), momentum.numel()),
                                                             momentum.device)
-    return torch.stack(rows, out=stacked)
+    return list(torch.stack(rows, out=stacked).unbind())
 
 
 def _outer_gradient(
     ordered: list[Answer], *, momentum: torch.Tensor, segments: list[Segment],
     heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None, iso: Flattener | None = None,
-    stacked: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stacked: tuple[Rows, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The learners' weights and the fragment's outer gradient; `stacked`: the `ordered` deltas
     stacked already, with their `segment_sq_norms`."""
     weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered])
-    deltas, sq = stacked if stacked is not None else (_stack(ordered, momentum, workspace), None)
+    deltas, sq = stacked if stacked is not None else (_rows(ordered, momentum, workspace, heloco), None)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
             heloco_correct(row, momentum, segments, heloco, out=row)
@@ -234,7 +244,7 @@ def _outer_gradient(
         sq = segment_sq_norms(deltas, segments, threads=threads)
     out = None if workspace is None else workspace.take("merged", (momentum.numel(),), momentum.device)
     # Δ = −merged, written by the merge itself: the negation costs no pass of its own.
-    grad = merge_deltas(deltas, weights.to(device=deltas.device, dtype=torch.float32), segments, out=out,
+    grad = merge_deltas(deltas, weights.to(device=momentum.device, dtype=torch.float32), segments, out=out,
                         threads=threads, iso=iso, sq_norms=sq, negate=True)
     return weights, grad
 

@@ -5,9 +5,18 @@ import pytest
 import torch
 
 from syncer.correction import HelocoConfig
-from syncer.merge import Segment, learner_weights, merge_deltas, nesterov_step, outer_gradient
+from syncer.merge import (
+    STEP_CHUNK,
+    Segment,
+    learner_weights,
+    merge_deltas,
+    nesterov_step,
+    outer_gradient,
+    segment_sq_norms,
+)
 from syncer.outer import Nesterov, make_outer_optimizer
 from syncer.payload import decode_delta, finite_f32_part, payload_problem, payload_screen
+from syncer.plan import STEP_TEMP_ELEMENTS
 from syncer.round_merge import MergeWorkspace, merge_round, screen_step
 from syncer.rounds import Answer
 from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
@@ -242,3 +251,57 @@ def test_a_delta_whose_norm_overflows_float32_is_not_weighed() -> None:
                 outer=Nesterov(), heloco=None)
     assert out.overflowed == {1: pytest.approx(1e20)} and [a.learner_id for a in out.answers] == [0]
     assert torch.equal(p1, p2) and out.delta_norms == [pytest.approx(float(good[1].delta.norm()))]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rows_merge_to_the_bits_of_their_stack(threads: int) -> None:
+    """The merge reads each push where it was received (M separate rows): the same bits as the
+    rows stacked into one [M, N] tensor, serial or threaded, across chunk boundaries."""
+    gen = torch.Generator().manual_seed(5)
+    n = (1 << 20) + 4099  # one segment longer than a column chunk, with a ragged tail
+    segments = [Segment(0, 1 << 20, rda=True), Segment(1 << 20, 4000, rda=False), Segment((1 << 20) + 4000, 99, True)]
+    rows = [torch.randn(n, generator=gen) for _ in range(3)]
+    w = torch.tensor([0.2, 0.3, 0.5])
+    stacked = merge_deltas(torch.stack(rows), w, segments, threads=threads, negate=True)
+    assert torch.equal(merge_deltas(rows, w, segments, threads=threads, negate=True), stacked)
+    assert torch.equal(segment_sq_norms(rows, segments), segment_sq_norms(torch.stack(rows), segments))
+
+
+def test_rows_of_another_length_or_dtype_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"row 1 is torch.float32 \(5,\)"):
+        merge_deltas([torch.zeros(4), torch.zeros(5)], torch.tensor([0.5, 0.5]), [Segment(0, 4, True)])
+    with pytest.raises(ValueError, match=r"row 0 is torch\.float64"):
+        merge_deltas([torch.zeros(4, dtype=torch.float64)], torch.tensor([1.0]), [Segment(0, 4, True)])
+
+
+def test_the_outer_step_a_chunk_at_a_time_changes_no_bit() -> None:
+    gen = torch.Generator().manual_seed(9)
+    n = 3 * STEP_CHUNK + 77
+    params, momentum, grad = (torch.randn(n, generator=gen) for _ in range(3))
+    ref_params, ref_momentum = params.clone(), momentum.clone()
+    ref_momentum.mul_(0.9).add_(grad)
+    ref_params.add_(torch.add(grad, ref_momentum, alpha=0.9), alpha=-0.7)
+    nesterov_step(params, momentum, grad, lr=0.7, momentum_coef=0.9, scratch=torch.empty(STEP_CHUNK))
+    assert torch.equal(params, ref_params) and torch.equal(momentum, ref_momentum)
+
+
+@pytest.mark.parametrize("heloco", [False, True])
+def test_a_merge_holds_no_copy_of_the_pushes_unless_heloco_corrects_them(heloco: bool) -> None:
+    """The workspace keeps the merged delta and a chunk of the step's temporary; a stacked copy of the
+    deltas (M fragment-sized rows) only where HeLoCo rewrites them, so the pushes stay as they came."""
+    n = 3 * STEP_CHUNK
+    workspace = MergeWorkspace()
+    gen = torch.Generator().manual_seed(2)
+    pushes = [Answer(i, 1, 100, 2, torch.randn(n, generator=gen), 0) for i in range(3)]
+    kept = [a.delta.clone() for a in pushes]
+    merge_round(pushes, params=torch.zeros(n), momentum=torch.full((n,), 0.01), outer_state={},
+                segments=[Segment(0, n, True)], outer=Nesterov(), heloco=HelocoConfig(0.1) if heloco else None,
+                workspace=workspace)
+    held = {name: buf.numel() for name, buf in workspace._buffers.items()}
+    assert held.pop("merged") == n and held.pop("step") == STEP_CHUNK
+    assert held == ({"deltas": 3 * n} if heloco else {})
+    assert all(torch.equal(a.delta, k) for a, k in zip(pushes, kept, strict=True))
+
+
+def test_the_planner_counts_the_step_temporary_the_merge_uses() -> None:
+    assert STEP_TEMP_ELEMENTS == STEP_CHUNK
