@@ -14,7 +14,8 @@ baseline of the same bytes measured in the same run (only ratios mean anything o
   against raw loopback of M fragments' bytes.
 * `merge_rda`, `merge_average`: `merge_round` of M answers for one fragment; against
   `Tensor.copy_` of the fragment.
-* `ckpt_write`: `save_checkpoint` of params + momentum; against `write` + `fsync` of the same bytes.
+* `ckpt_write`: `save_checkpoint` of params + momentum; against `write` + `fsync` of the same bytes
+  (into a new file that replaces the last, as the checkpoint's does).
 * `ckpt_read`: `load_checkpoint` (checksums and finiteness verified); against `readinto` of the
   same file into fresh memory, the page cache dropped before both.
 * `syncer_rss`: the syncer's peak RSS (VmHWM) ÷ the model's bytes, after the timed rounds and P
@@ -292,12 +293,10 @@ def release_buffers() -> None:
 
 
 def wire_bytes_needed(model_bytes: int, m: int, fragments: int) -> float:
-    """What the wire phase holds at its peak: the syncer's params and momentum, its in-flight pushes
-    and merge workspace (`syncer.plan.syncer_memory`'s terms at pipeline 2), the model learner 0
-    uploads from, and the M learners' receive buffers of the initial cut's fan-out."""
+    """What the wire phase holds at its peak: the syncer as yeto-plan sizes it (`planned_memory`), the
+    model learner 0 uploads from, and the M learners' receive buffers of the initial cut's fan-out."""
     frag = model_bytes / fragments
-    syncer = 2 * model_bytes + PIPELINE * m * frag + (m + 3) * frag
-    return syncer + model_bytes + 2 * m * frag + (1 << 30)
+    return planned_memory(model_bytes, m, fragments)[0] + model_bytes + 2 * m * frag + (1 << 30)
 
 
 def available_bytes() -> int:

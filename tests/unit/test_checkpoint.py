@@ -345,15 +345,49 @@ def data_start(path: Path) -> int:
 
 
 def test_every_tensor_has_a_checksum_of_its_bytes(tmp_path: Path) -> None:
-    import zlib
+    import xxhash
 
     path = tmp_path / "ckpt.safetensors"
     save_checkpoint(path, make_state())
     with safe_open(str(path), framework="pt") as f:
-        sums = json.loads(f.metadata()["yeto"])["checksums"]
-        assert set(sums) == set(f.keys())
+        meta = json.loads(f.metadata()["yeto"])
+        sums = meta["checksums"]
+        assert meta["checksum"] == "xxh3-64" and set(sums) == set(f.keys())
         for name in sorted(sums):
-            assert sums[name] == f"{zlib.crc32(f.get_tensor(name).numpy()):08x}", name
+            assert sums[name] == xxhash.xxh3_64(f.get_tensor(name).numpy().tobytes()).hexdigest(), name
+
+
+def _as_crc32_era(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """The metadata a yeto that kept CRC-32 checksums wrote: no `checksum` key, 8 hex digits each."""
+    import zlib
+
+    meta.pop("checksum")
+    meta["checksums"] = {name: f"{zlib.crc32(t.numpy().tobytes()):08x}" for name, t in tensors.items()}
+
+
+def test_a_checkpoint_with_crc32_checksums_is_still_verified(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    state = make_state()
+    save_checkpoint(path, state)
+    tensors = load_file(str(path))
+    _rewrite_meta(path, lambda m: _as_crc32_era(m, tensors))
+    assert torch.equal(bits(load_checkpoint(path).params[0]), bits(state.params[0]))
+    raw = bytearray(path.read_bytes())
+    raw[data_start(path) + 5] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        load_checkpoint(path)
+
+
+def test_a_checksum_of_the_wrong_width_or_an_unknown_kind_is_malformed(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, make_state())
+    _rewrite_meta(path, lambda m: m.update(checksum="crc32"))  # 16 hex digits under the CRC-32 name
+    with pytest.raises(CheckpointError, match="malformed"):
+        load_checkpoint(path)
+    _rewrite_meta(path, lambda m: m.update(checksum="md5"))
+    with pytest.raises(CheckpointError, match="malformed"):
+        load_checkpoint(path)
 
 
 @pytest.mark.parametrize("damage", ["bit-flip", "nan-patch"])
