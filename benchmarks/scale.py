@@ -293,10 +293,14 @@ def release_buffers() -> None:
 
 
 def wire_bytes_needed(model_bytes: int, m: int, fragments: int) -> float:
-    """What the wire phase holds at its peak: the syncer as yeto-plan sizes it (`planned_memory`), the
-    model learner 0 uploads from, and the M learners' receive buffers of the initial cut's fan-out."""
+    """What the wire phase holds at its peak, the larger of two moments, each with the M learners'
+    receive buffers (two fragments each) and 1 GiB for the runtimes and the raw loopback's ring:
+    the INIT, when the model learner 0 uploads from and the syncer's copy of it coexist, and the
+    steady rounds, once that model is let go, with the syncer as yeto-plan sizes it and 10% more
+    (the plan's error measured here; running out of memory would end the whole benchmark)."""
     frag = model_bytes / fragments
-    return planned_memory(model_bytes, m, fragments)[0] + model_bytes + 2 * m * frag + (1 << 30)
+    beside = 2 * m * frag + (1 << 30)
+    return max(2 * model_bytes, 1.1 * planned_memory(model_bytes, m, fragments)[0]) + beside
 
 
 def available_bytes() -> int:
