@@ -4,7 +4,8 @@
 # torch is pinned first: 2.13.0 is the CPU build; the project's torch range accepts it,
 # so pip does not pull another torch afterwards. Users on GPU machines keep their own torch.
 # verl pins transformers below the version the hf extra installs, so it gets a venv of its own,
-# .venv-verl, where the verl tests run (tests/rl/verl, started by tests/test_verl_venv.py).
+# .venv-verl, where the verl tests run (tests/rl/verl, started by tests/test_verl_venv.py); .venv-core has
+# the core dependencies alone (tests/test_core_venv.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,6 +33,18 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   else
     echo "setup.sh: no apt-get to install chromium and chromium-driver; the status page's browser test will fail" >&2
   fi
+fi
+
+# .venv-core: torch and yeto with its core dependencies only, no extra. tests/test_core_venv.py imports
+# every module there: `pip install yeto` plus a trainer must be enough.
+if [ ! -x .venv-core/bin/python ]; then
+  "$PY" -m venv .venv-core
+fi
+core_stamp=.venv-core/.yeto-setup
+if [ ! -f "$core_stamp" ] || [ "$(cat "$core_stamp")" != "$want" ]; then
+  .venv-core/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+  .venv-core/bin/python -m pip install --quiet --disable-pip-version-check -e .
+  echo "$want" >"$core_stamp"
 fi
 
 if [ ! -x .venv-verl/bin/python ]; then
