@@ -49,6 +49,8 @@ def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: 
     commits = syncer.commits()
     assert len(commits) == 16 and {tuple(c["learners"]) for c in commits} <= {(0, 1), (1, 0), (0,), (1,)}
     for n, island in enumerate(islands):
+        said = [line for line in island.stderr().splitlines() if "final cut installed at step" in line]  # type: ignore[attr-defined]
+        assert len(said) == 1, f"island {n}: the final-cut line once per island, not per rank: {said}"
         weights = island.events("weights")  # type: ignore[attr-defined]
         assert sorted(w["rank"] for w in weights) == [0, 1], f"island {n}: {weights}"
         assert all(w["final_cut"] for w in weights), f"island {n}: a rank did not install the final cut"

@@ -95,8 +95,9 @@ class YetoDiLoCo(TrainerCallback):
         saves = args.save_strategy != "no"
         control.should_save = control.should_save or saves
         control.should_evaluate = control.should_evaluate or args.eval_strategy != "no"
-        log.warning("yeto learner %d: final cut installed at step %d%s; training stops%s", self.settings.learner_id,
-                    state.global_step, why, " and the Trainer saves it" if saves else "")
+        if state.is_world_process_zero:  # every rank stops; the island says so once
+            log.warning("yeto learner %d: final cut installed at step %d%s; training stops%s",
+                        self.settings.learner_id, state.global_step, why, " and the Trainer saves it" if saves else "")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
