@@ -514,6 +514,13 @@ def configured(cls: type[BaseSettings]) -> bool:
     return bool(prefix) and any(var.upper().startswith(prefix) for var in os.environ)
 
 
+def environment_of(cls: type[BaseSettings]) -> dict[str, str]:
+    """This process's variables of `cls`'s prefix, as set: for processes that do not inherit this
+    environment (the workers of a Ray cluster started before the job, `yeto_plugins.verl.entry`)."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    return {k: v for k, v in os.environ.items() if prefix and k.upper().startswith(prefix)}
+
+
 def setting_name(field: str, *, flags: bool) -> str:
     """How errors call a value given explicitly: its command-line flag or keyword argument."""
     return f"--{field.replace('_', '-')}" if flags else f"argument {field}"

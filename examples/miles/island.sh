@@ -18,6 +18,10 @@ export YETO_DILOCO_KEY_FILE=${KEY_FILE:-yeto.key}
 export YETO_DILOCO_LEARNER_ID=${LEARNER_ID:-0}
 export YETO_DILOCO_RL_MODE=$MODE
 export PYTHONUNBUFFERED=1
+# Miles' training actors are Ray actors: on a Ray cluster started before this run they do not inherit
+# this shell's environment, so the settings go to them through Miles' --train-env-vars as well (a
+# --train-env-vars of your own in "$@" replaces this one: put the YETO_DILOCO_* variables in it too).
+TRAIN_ENV=$(python -c 'import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith("YETO_DILOCO_")}))')
 
 if [ "$MODE" = stream ]; then DRIVER=(python train.py); else DRIVER=(python -m yeto_plugins.miles.train); fi
 MODEL_ARGS_LINE=$(python miles/utils/external_utils/model_args_utils.py "${MODEL_NAME:-qwen2.5-0.5B}")
@@ -35,4 +39,4 @@ read -ra MODEL_ARGS <<< "$MODEL_ARGS_LINE"
     --actor-num-nodes 1 --actor-num-gpus-per-node "${GPUS:-8}" --colocate \
     --rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.7 \
     --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 \
-    --attention-softmax-in-fp32 "$@"
+    --attention-softmax-in-fp32 --train-env-vars "$TRAIN_ENV" "$@"
