@@ -29,7 +29,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from yeto_core.settings import LearnerSettings, load_settings
+from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_plugins.megatron.sync import MegatronDiLoCoSync
 
 log = logging.getLogger("yeto.miles")
@@ -65,11 +65,29 @@ def tokens_per_step(args: Any) -> int:
     return int(args.global_batch_size) * int(args.seq_length)
 
 
+# Miles options an island cannot account for yet: each stops it at its join, named, instead of
+# letting it weigh its pushes or find the run's last step wrongly.
+UNACCOUNTED = {
+    "use_dynamic_global_batch_size": (
+        "--use-dynamic-global-batch-size varies the samples of each step and the steps of each rollout, which "
+        "the island counts from --global-batch-size x --seq-length (its tokens per step, which weigh its pushes) "
+        "and --rollout-batch-size x --n-samples-per-prompt / --global-batch-size (its steps per rollout)"),
+}
+
+
+def refuse_unaccounted(args: Any) -> None:
+    """Raise `SettingsError` naming the first Miles option in `UNACCOUNTED` that `args` turns on."""
+    for attr, why in UNACCOUNTED.items():
+        if getattr(args, attr, False):
+            raise SettingsError(f"yeto: Miles' {why}; run the island without it")
+
+
 class MilesIsland:
     """The island's `MegatronDiLoCoSync` on this rank, driven at Miles' step and rollout boundaries."""
 
     def __init__(self, args: Any, model: Sequence[Any], optimizer: Any,
                  settings: LearnerSettings | None = None) -> None:
+        refuse_unaccounted(args)
         self.args = args
         self.settings = settings if settings is not None else load_settings(LearnerSettings)
         self.sync = MegatronDiLoCoSync(list(model), optimizer, self.settings)
