@@ -19,7 +19,7 @@ momentum and keeps its length.
 
 Sign convention. The paper's pseudo-gradient is Δ = θ_start − θ_end, which is yeto's −d for a
 learner delta d = θ_local − anchor, and its momentum accumulates those Δ exactly as yeto's
-momentum buffer accumulates outer gradients −merged d (``merge.nesterov_step``). The rules
+momentum buffer accumulates outer gradients −merged d (``outer.nesterov_step``). The rules
 above are unchanged when Δ and m are both negated, so a learner delta is corrected in its own
 sign: d̂ = −correct(−d, m). In yeto terms c_b = −⟨d_b, m_b⟩/(‖d_b‖ ‖m_b‖): a delta that moves
 the way the momentum has been moving the parameters has c_b > 0 and is kept.

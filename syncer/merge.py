@@ -11,7 +11,7 @@ in the order the coordinator applies it:
    (``rda``), or with ``--merge average`` a plain weighted average (``weighted_average``);
    with ``--merge iso``, each merged 2-D matrix then gets a flat spectrum (``syncer.iso``).
 3. ``outer_gradient`` — Δ = −merged delta.
-4. ``nesterov_step`` — the outer optimizer, SGD with Nesterov momentum.
+4. ``outer.nesterov_step`` — the outer optimizer, SGD with Nesterov momentum (``syncer/outer.py``).
 
 Everything works on whatever device the inputs live on and synchronises with the host only where
 a caller asks for a Python number (``accurate_norm``, ``check_finite``). Norms matter to RDA and
@@ -42,11 +42,9 @@ __all__ = [
     "Rows",
     "Segment",
     "accurate_norm",
-    "add_pulled",
     "check_finite",
     "learner_weights",
     "merge_deltas",
-    "nesterov_step",
     "outer_gradient",
     "rda",
     "segment_sq_norms",
@@ -63,9 +61,6 @@ _CANCEL_ULPS = 4
 _F32_EPS = float(torch.finfo(torch.float32).eps)
 # Column chunk of check_finite's element-wise re-check (and of its threaded sums).
 _FINITE_CHUNK = 1 << 22
-# Chunk of the outer step's one temporary (g + μ·m): 4 MiB, not a fragment-sized buffer. A multiple
-# of every vector width, so each chunk is done by the same vectorised loop as the whole would be.
-STEP_CHUNK = 1 << 20
 # With threads, small segments are handed out in about this many batches per thread, so one
 # batch of large tensors does not leave the other threads idle while it finishes.
 _BATCHES_PER_THREAD = 4
@@ -560,44 +555,3 @@ def outer_gradient(merged_delta: torch.Tensor, *, out: torch.Tensor | None = Non
     """The outer gradient Δ = −d (DiLoCo): learners' deltas point along their progress."""
     return torch.neg(merged_delta, out=out) if out is not None else torch.neg(merged_delta)
 
-
-def nesterov_step(
-    param: torch.Tensor,
-    momentum: torch.Tensor,
-    outer_grad: torch.Tensor,
-    lr: float = 0.7,
-    momentum_coef: float = 0.9,
-    *,
-    scratch: torch.Tensor | None = None,
-) -> None:
-    """One outer Nesterov step in place (DiLoCo's outer optimizer, with its stock lr 0.7 and momentum 0.9).
-
-    The same arithmetic, op for op, as ``torch.optim.SGD(nesterov=True, dampening=0)``:
-    momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum), with g = ``outer_grad``.
-    ``g + μ·momentum`` is formed a chunk at a time (``add_pulled``); ``scratch`` lends it the memory.
-    """
-    if not (param.shape == momentum.shape == outer_grad.shape):
-        raise ValueError(f"nesterov_step: shapes differ: param {tuple(param.shape)}, momentum "
-                         f"{tuple(momentum.shape)}, outer_grad {tuple(outer_grad.shape)}")
-    momentum.mul_(momentum_coef).add_(outer_grad)
-    add_pulled(param, outer_grad, momentum, pull=momentum_coef, rate=-lr, scratch=scratch)
-
-
-def add_pulled(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, pull: float, rate: float,
-               scratch: torch.Tensor | None = None) -> None:
-    """param ← param + rate·(grad + pull·momentum), in place, element for element the bits of the
-    unchunked ops, through one temporary of at most ``STEP_CHUNK`` elements (``scratch``, when it
-    is that large, else a new one): the outer step holds no fragment-sized buffer of its own."""
-    n = param.numel()
-    if not (param.is_contiguous() and grad.is_contiguous() and momentum.is_contiguous()):
-        param.add_(torch.add(grad, momentum, alpha=pull), alpha=rate)
-        return
-    size = min(n, STEP_CHUNK)
-    if scratch is not None and scratch.numel() >= size and scratch.is_contiguous() and scratch.device == param.device:
-        buf = scratch.view(-1)[:size]
-    else:
-        buf = torch.empty(size, dtype=param.dtype, device=param.device)
-    p, g, m = param.view(-1), grad.view(-1), momentum.view(-1)
-    for start in range(0, n, STEP_CHUNK):
-        stop = min(start + STEP_CHUNK, n)
-        p[start:stop].add_(torch.add(g[start:stop], m[start:stop], alpha=pull, out=buf[: stop - start]), alpha=rate)

@@ -5,7 +5,7 @@ merged delta) into an in-place update of the fragment's flat parameter buffer an
 buffer. Whatever else it must remember between rounds lives in a per-fragment ``state`` dict of
 tensors and ints, which the caller keeps next to the momentum and a checkpoint can store as is.
 
-- ``Nesterov``: DiLoCo's SGD with Nesterov momentum, ``merge.nesterov_step`` unchanged.
+- ``Nesterov``: DiLoCo's SGD with Nesterov momentum, ``nesterov_step`` unchanged.
 - ``DelayedNesterov``: delayed Nesterov momentum from "Asynchronous Local-SGD Training for
   Language Modeling" (arXiv:2401.09135, Algorithm 3), for a syncer that steps once per push: the
   momentum moves only every N-th step, from the average of the N gradients since the last move,
@@ -25,7 +25,6 @@ from typing import Protocol, TypeAlias
 
 import torch
 
-from syncer.merge import add_pulled, nesterov_step
 from yeto_core.sections import MergeSettings
 
 __all__ = [
@@ -33,11 +32,14 @@ __all__ = [
     "COUNT_KEY",
     "OUTER_OPTIMIZERS",
     "STEPS_KEY",
+    "STEP_CHUNK",
     "DelayedNesterov",
     "Nesterov",
     "OuterOptimizer",
     "OuterState",
+    "add_pulled",
     "make_outer_optimizer",
+    "nesterov_step",
     "warmed_momentum",
 ]
 
@@ -75,7 +77,7 @@ class OuterOptimizer(Protocol):
         *, scratch: torch.Tensor | None = None,
     ) -> None:
         """Update ``param`` and ``momentum`` (and ``state``) from ``outer_grad``; all the same shape.
-        ``scratch`` lends the step's one temporary its memory (a chunk of it: ``merge.add_pulled``)."""
+        ``scratch`` lends the step's one temporary its memory (a chunk of it: ``add_pulled``)."""
         ...
 
     def bound(self, *, param: float, momentum: float, grad: float, accum: float = 0.0) -> float:
@@ -83,6 +85,52 @@ class OuterOptimizer(Protocol):
         included, given bounds on the magnitudes of its inputs (``accum``: of the state's
         accumulator, when it keeps one). Exact arithmetic; the caller leaves room for rounding."""
         ...
+
+
+# Chunk of the outer step's one temporary (g + μ·m): 4 MiB, not a fragment-sized buffer. A multiple
+# of every vector width, so each chunk is done by the same vectorised loop as the whole would be.
+STEP_CHUNK = 1 << 20
+
+def nesterov_step(
+    param: torch.Tensor,
+    momentum: torch.Tensor,
+    outer_grad: torch.Tensor,
+    lr: float = 0.7,
+    momentum_coef: float = 0.9,
+    *,
+    scratch: torch.Tensor | None = None,
+) -> None:
+    """One outer Nesterov step in place (DiLoCo's outer optimizer, with its stock lr 0.7 and momentum 0.9).
+
+    The same arithmetic, op for op, as ``torch.optim.SGD(nesterov=True, dampening=0)``:
+    momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum), with g = ``outer_grad``.
+    ``g + μ·momentum`` is formed a chunk at a time (``add_pulled``); ``scratch`` lends it the memory.
+    """
+    if not (param.shape == momentum.shape == outer_grad.shape):
+        raise ValueError(f"nesterov_step: shapes differ: param {tuple(param.shape)}, momentum "
+                         f"{tuple(momentum.shape)}, outer_grad {tuple(outer_grad.shape)}")
+    momentum.mul_(momentum_coef).add_(outer_grad)
+    add_pulled(param, outer_grad, momentum, pull=momentum_coef, rate=-lr, scratch=scratch)
+
+
+def add_pulled(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, pull: float, rate: float,
+               scratch: torch.Tensor | None = None) -> None:
+    """param ← param + rate·(grad + pull·momentum), in place, element for element the bits of the
+    unchunked ops, through one temporary of at most ``STEP_CHUNK`` elements (``scratch``, when it
+    is that large, else a new one): the outer step holds no fragment-sized buffer of its own."""
+    n = param.numel()
+    if not (param.is_contiguous() and grad.is_contiguous() and momentum.is_contiguous()):
+        param.add_(torch.add(grad, momentum, alpha=pull), alpha=rate)
+        return
+    size = min(n, STEP_CHUNK)
+    if scratch is not None and scratch.numel() >= size and scratch.is_contiguous() and scratch.device == param.device:
+        buf = scratch.view(-1)[:size]
+    else:
+        buf = torch.empty(size, dtype=param.dtype, device=param.device)
+    p, g, m = param.view(-1), grad.view(-1), momentum.view(-1)
+    for start in range(0, n, STEP_CHUNK):
+        stop = min(start + STEP_CHUNK, n)
+        p[start:stop].add_(torch.add(g[start:stop], m[start:stop], alpha=pull, out=buf[: stop - start]), alpha=rate)
 
 
 def _check_shapes(name: str, param: torch.Tensor, momentum: torch.Tensor, outer_grad: torch.Tensor) -> None:
@@ -105,7 +153,7 @@ def _check_coefficients(name: str, lr: float, momentum: float) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Nesterov:
-    """SGD with Nesterov momentum (DiLoCo's outer optimizer), exactly ``merge.nesterov_step``.
+    """SGD with Nesterov momentum (DiLoCo's outer optimizer), exactly ``nesterov_step``.
 
     momentum ← μ·momentum + g, then param ← param − lr·(g + μ·momentum), with μ warmed up over
     ``warmup`` steps (``warmed_momentum``; 0: none). Keeps no state of its own.

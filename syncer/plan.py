@@ -278,7 +278,7 @@ def bcast_wire_bytes(downlink: str, numel: int, full_every: int = BCAST_FULL_EVE
 
 # ---- the syncer's memory ----------------------------------------------------------------------------
 
-STEP_TEMP_ELEMENTS = 1 << 20  # syncer/merge.py STEP_CHUNK: the outer step's temporary, a chunk at a time
+STEP_TEMP_ELEMENTS = 1 << 20  # syncer/outer.py STEP_CHUNK: the outer step's temporary, a chunk at a time
 
 
 def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: float | None = None) -> Memory:

@@ -19,7 +19,6 @@ import torch
 from syncer.checkpoint import SyncerState
 from syncer.correction import HelocoConfig, heloco_correct
 from syncer.merge import (
-    STEP_CHUNK,
     Flattener,
     Rows,
     Segment,
@@ -28,7 +27,7 @@ from syncer.merge import (
     merge_deltas,
     segment_sq_norms,
 )
-from syncer.outer import ACCUM_KEY, COUNT_KEY, STEPS_KEY, OuterOptimizer, OuterState, outer_optimizer
+from syncer.outer import ACCUM_KEY, COUNT_KEY, STEP_CHUNK, STEPS_KEY, OuterOptimizer, OuterState, outer_optimizer
 from syncer.rounds import Answer
 from yeto_core.layout import Layout, TensorSlot
 from yeto_core.sections import MergeSettings

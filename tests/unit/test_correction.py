@@ -9,7 +9,8 @@ import torch
 
 from syncer import correction
 from syncer.correction import HelocoConfig, heloco_correct
-from syncer.merge import Segment, nesterov_step, outer_gradient
+from syncer.merge import Segment, outer_gradient
+from syncer.outer import nesterov_step
 
 pytestmark = pytest.mark.unit
 

@@ -15,11 +15,11 @@ from syncer.merge import (
     check_finite,
     learner_weights,
     merge_deltas,
-    nesterov_step,
     outer_gradient,
     rda,
     weighted_average,
 )
+from syncer.outer import nesterov_step
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Outer optimizers: Nesterov is ``merge.nesterov_step``; delayed Nesterov against a hand-written
+"""Outer optimizers: Nesterov is ``nesterov_step``; delayed Nesterov against a hand-written
 float64 reference of its algorithm (plain Python loops)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncer.merge import nesterov_step
 from syncer.outer import (
     ACCUM_KEY,
     COUNT_KEY,
@@ -16,6 +15,7 @@ from syncer.outer import (
     OuterOptimizer,
     OuterState,
     make_outer_optimizer,
+    nesterov_step,
     warmed_momentum,
 )
 

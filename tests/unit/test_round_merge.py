@@ -6,15 +6,13 @@ import torch
 
 from syncer.correction import HelocoConfig
 from syncer.merge import (
-    STEP_CHUNK,
     Segment,
     learner_weights,
     merge_deltas,
-    nesterov_step,
     outer_gradient,
     segment_sq_norms,
 )
-from syncer.outer import Nesterov, make_outer_optimizer
+from syncer.outer import STEP_CHUNK, Nesterov, make_outer_optimizer, nesterov_step
 from syncer.payload import decode_delta, finite_f32_part, payload_problem, payload_screen
 from syncer.plan import STEP_TEMP_ELEMENTS
 from syncer.round_merge import MergeWorkspace, merge_round, screen_step
