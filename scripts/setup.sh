@@ -4,8 +4,8 @@
 # torch is pinned first: 2.13.0 is the CPU build; the project's torch range accepts it,
 # so pip does not pull another torch afterwards. Users on GPU machines keep their own torch.
 # verl pins transformers below the version the hf extra installs, so it gets a venv of its own,
-# .venv-verl, where the verl tests run (tests/rl/verl, started by tests/test_verl_venv.py); .venv-core has
-# the core dependencies alone (tests/test_core_venv.py).
+# .venv-verl, where the verl tests run (tests/rl/verl, started by tests/test_trainer_venvs.py), and so does
+# ms-swift (.venv-swift, tests/swift); .venv-core has the core dependencies alone (tests/test_core_venv.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -60,4 +60,20 @@ if [ ! -f "$verl_stamp" ] || [ "$(cat "$verl_stamp")" != "$want" ]; then
     "verl==0.9.1" uvicorn fastapi
   .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-verl/constraints.txt -e ".[dev]"
   echo "$want" >"$verl_stamp"
+fi
+
+# .venv-swift: ms-swift 4.6.0 pins transformers below 5.20, under the hf extra's, so its tests (tests/swift,
+# started by tests/test_trainer_venvs.py) run here. This is the README's ms-swift recipe: torch first, then
+# ms-swift with its megatron extra (megatron-core and mcore-bridge: swift's Megatron callback files), then yeto.
+if [ ! -x .venv-swift/bin/python ]; then
+  "$PY" -m venv .venv-swift
+fi
+swift_stamp=.venv-swift/.yeto-setup
+if [ ! -f "$swift_stamp" ] || [ "$(cat "$swift_stamp")" != "$want" ]; then
+  echo "torch==2.13.0" >.venv-swift/constraints.txt
+  .venv-swift/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+  .venv-swift/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-swift/constraints.txt \
+    "ms-swift[megatron]==4.6.0"
+  .venv-swift/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-swift/constraints.txt -e ".[dev]"
+  echo "$want" >"$swift_stamp"
 fi

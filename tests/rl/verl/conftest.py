@@ -7,9 +7,12 @@ aborts the whole run instead of skipping.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "harness"))  # runs.py, shared with tests/swift
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,141 +1,34 @@
-"""Processes for the verl tests: torchrun islands of the real actor worker, and the real syncer.
+"""Processes for the verl tests: the shared ones (`tests/harness/runs.py`) with verl's CPU platform.
 
-Every process starts in a session of its own and is stopped by its process group id, so a torchrun
-launcher takes its ranks with it; every wait has a deadline and a failure carries the log's tail.
+verl runs on the CPU platform `cpu_platform.py` registers; its FSDP engine is registered for cuda/npu only, so the
+engine device is named cuda (see cpu_platform.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import secrets
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import pytest
+import runs
+from runs import REPOSITORY, Run, Syncer, start_syncer, stop, stopped_at_exit
+
+__all__ = ["HARNESS_ENV", "HERE", "REPOSITORY", "Run", "Syncer", "island_env", "start", "start_syncer", "stop",
+           "stopped_at_exit", "torchrun"]
 
 HERE = Path(__file__).resolve().parent
-REPOSITORY = HERE.parents[2]
-LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$", re.MULTILINE)
-HARNESS_ENV = {
-    "VERL_PLATFORM": "cpu",  # the platform cpu_platform.py registers
-    "VERL_ENGINE_DEVICE": "cuda",  # the FSDP engine is registered for cuda/npu only (see cpu_platform.py)
-    "OMP_NUM_THREADS": "1",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "MASTER_ADDR": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1",
-}
-
-
-@dataclass
-class Run:
-    """A started process: its command's name, its log, and the process (leader of its own group)."""
-
-    name: str
-    log: Path
-    process: subprocess.Popen[bytes]
-
-    def tail(self, characters: int = 6000) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return f"--- {self.name} (pid {self.process.pid}) ---\n{text[-characters:]}"
-
-    def wait(self, deadline_s: float) -> int:
-        try:
-            return self.process.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:
-            stop(self)
-            pytest.fail(f"{self.name} still running after {deadline_s:.0f} s:\n{self.tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL the process alone (a syncer killed mid-run), and reap it."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-
-def stop(run: Run) -> None:
-    """End the process and everything in its group (a torchrun launcher's ranks), by the group's id."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.process.pid, sig)
-        try:
-            run.process.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+HARNESS_ENV = {**runs.QUIET_ENV, "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
 
 
 def start(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Run:
-    with log.open("wb") as sink:
-        process = subprocess.Popen(list(argv), cwd=REPOSITORY, env={**os.environ, **HARNESS_ENV, **(env or {})},
-                                   stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    return Run(name, log, process)
+    return runs.start(name, argv, log, {**HARNESS_ENV, **(env or {})})
 
 
 def torchrun(script: Path, ranks: int, args: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
              name: str | None = None) -> Run:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script),
-            *args]
-    return start(name or f"{script.stem} x{ranks}", argv, log, env)
-
-
-@dataclass
-class Syncer:
-    run: Run
-    address: str
-    checkpoint: Path
-    tape: Path
-    key_file: Path
-
-
-def start_syncer(workdir: Path, *flags: str, learners: int = 2, fragments: int = 2) -> Syncer:
-    """The real `python -m syncer` on 127.0.0.1, a port of its choosing, with a checkpoint and a tape."""
-    key_file = workdir / "syncer.key"
-    key_file.write_text(secrets.token_hex(32))
-    key_file.chmod(0o600)
-    checkpoint, tape = workdir / "syncer.safetensors", workdir / "tape.jsonl"
-    argv = [sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", str(learners),
-            "--fragments", str(fragments), "--checkpoint", str(checkpoint), "--tape", str(tape),
-            "--key-file", str(key_file), "--device", "cpu", *flags]
-    run = start("syncer", argv, workdir / "syncer.log")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        found = LISTENING.search(run.log.read_text(errors="replace"))
-        if found:
-            return Syncer(run, f"{found.group(1)}:{found.group(2)}", checkpoint, tape, key_file)
-        if run.process.poll() is not None:
-            break
-        time.sleep(0.1)
-    stop(run)
-    pytest.fail(f"the syncer did not start listening:\n{run.tail()}")
+    return runs.torchrun(script, ranks, args, log, {**HARNESS_ENV, **(env or {})}, name)
 
 
 def island_env(syncer: Syncer, learner_id: int, **settings: object) -> dict[str, str]:
-    """What makes a verl process an island: `YETO_DILOCO_*` (the entry point attaches on them)."""
-    env = {"YETO_DILOCO_SYNCER": syncer.address, "YETO_DILOCO_KEY_FILE": str(syncer.key_file),
-           "YETO_DILOCO_LEARNER_ID": str(learner_id), "YETO_DILOCO_RECONNECT_MAX_S": "1",
-           "YETO_DILOCO_CONSENSUS_EVERY": "0", "VERL_USE_EXTERNAL_PLUGINS": "auto"}
-    env.update({f"YETO_DILOCO_{key.upper()}": str(value) for key, value in settings.items()})
-    return env
-
-
-@contextlib.contextmanager
-def stopped_at_exit(*runs: Run) -> Iterator[list[Run]]:
-    """Stops whatever is still running when the block ends, pass or fail; more may be appended."""
-    started = list(runs)
-    try:
-        yield started
-    finally:
-        for run in reversed(started):
-            if run.process.poll() is None:
-                stop(run)
+    """What makes a verl process an island: `YETO_DILOCO_*` (verl's entry point attaches on them)."""
+    return {**runs.island_env(syncer, learner_id, **{"consensus_every": 0, **settings}),
+            "VERL_USE_EXTERNAL_PLUGINS": "auto"}
