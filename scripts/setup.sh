@@ -54,10 +54,11 @@ verl_stamp=.venv-verl/.yeto-setup
 if [ ! -f "$verl_stamp" ] || [ "$(cat "$verl_stamp")" != "$want" ]; then
   echo "torch==2.13.0" >.venv-verl/constraints.txt  # whatever asks for torch gets this one
   .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  # Never verl with an extra: every extra, even cpu, pins another torch. uvicorn and fastapi are
-  # imported by verl's workers but missing from its base requirements.
+  # Never verl with an extra: every extra, even cpu, pins another torch. What verl's workers and
+  # main_ppo import but its base requirements miss comes by name: uvicorn, fastapi, cachetools, and
+  # TransferQueue with pyzmq and msgspec (verl's v1 trainer, the default).
   .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-verl/constraints.txt \
-    "verl==0.9.1" uvicorn fastapi
+    "verl==0.9.1" uvicorn fastapi cachetools "TransferQueue>=0.1.10" pyzmq msgspec
   .venv-verl/bin/python -m pip install --quiet --disable-pip-version-check -c .venv-verl/constraints.txt -e ".[dev]"
   echo "$want" >"$verl_stamp"
 fi

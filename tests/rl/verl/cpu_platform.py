@@ -168,3 +168,24 @@ class PlatformCPUForTests(PlatformBase):
 def platform_is_selected() -> bool:
     """Whether this process's environment makes verl pick the CPU platform (platform_manager.py:92)."""
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
+
+
+def _one_gloo_backend(initialize: Any) -> Any:
+    """verl's Ray workers open their process group with ``cpu:gloo,<device>:<backend>``
+    (verl/utils/distributed.py:82-98, called at verl/workers/engine_workers.py:89), which on this platform reads
+    ``cpu:gloo,cpu:gloo`` and which torch refuses (one backend per device type). The torchrun harness opens the
+    group itself first; a run through ``main_ppo`` cannot, so on this platform the default becomes plain ``gloo``."""
+
+    def initialize_with_gloo(timeout_second: Any = None, backend: str | None = None) -> Any:
+        return initialize(timeout_second=timeout_second, backend=backend or "gloo")
+
+    return initialize_with_gloo
+
+
+if platform_is_selected():
+    import verl.utils.distributed
+
+    # before verl.workers.engine_workers imports the name (this module is imported when verl is, by
+    # VERL_USE_EXTERNAL_MODULES in a main_ppo run, or first of all by the harness)
+    verl.utils.distributed.initialize_global_process_group_ray = _one_gloo_backend(
+        verl.utils.distributed.initialize_global_process_group_ray)

@@ -60,11 +60,12 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def drivers() -> dict[str, dict[str, object]]:
+def drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.fail("this test runs Ray in a network namespace of its own: it needs `unshare` and `ip` (util-linux, "
                     "iproute2)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("YETO_", "RAY_"))}
+    env["HOME"] = str(tmp_path_factory.mktemp("home"))  # Ray reads and writes ~/.ray (its auth token): not the user's
     run = subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"', sys.executable,
                           SCENARIO], env=env, capture_output=True, text=True, timeout=220, start_new_session=True)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
