@@ -5,7 +5,7 @@ session reads or writes a fragment, every rank must take part in the same collec
 same order. So each call that may touch the tensors (`start`, `step`, `finish`) runs as
 
     rank 0:  fn()  — every read/write first broadcasts a header [op, a, b, c], then runs its
-                     collective — and finally END with three result ints
+                     collective — and finally END with the call's `Outcome`
     others:  receive headers and run the matching collective, until END (or ERROR)
 
 over a dedicated gloo group (host memory, whatever the training backend is). A failure on rank 0
@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
 
-T = TypeVar("T")
 NOP, PLAN, END, ERROR, PROBE = 0, 1, 2, 3, 4
 FIRST_STORE_OP = 8  # stores number their own ops from here
 _RETIRED: list[Any] = []  # closed islands' gloo groups, kept open until the process exits (`Conductor.close`)
@@ -36,6 +36,24 @@ _RETIRED: list[Any] = []  # closed islands' gloo groups, kept open until the pro
 
 class IslandError(RuntimeError):
     """Rank 0 of the island failed; raised on every other rank with rank 0's message."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a collective call ends with on every rank: rank 0's answer to the call and its session's counters.
+    It travels in END's header as [END, answer | final_installed << 1, pushes, installs]."""
+
+    answer: bool = False
+    final_installed: bool = False
+    pushes: int = 0
+    installs: int = 0
+
+    def header(self) -> tuple[int, int, int]:
+        return int(self.answer) | int(self.final_installed) << 1, self.pushes, self.installs
+
+    @classmethod
+    def from_header(cls, flags: int, pushes: int, installs: int) -> Outcome:
+        return cls(bool(flags & 1), bool(flags & 2), pushes, installs)
 
 
 class Conductor:
@@ -55,19 +73,21 @@ class Conductor:
     def leads(self) -> bool:
         return self.rank == 0
 
-    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
-        """Rank 0 runs `fn` and ends with its result as three ints, which every rank returns."""
+    def run(self, fn: Callable[[], object] | None) -> Outcome:
+        """Rank 0 runs `fn` (the others pass None and follow); every rank returns the `Outcome` that `fn`
+        returned, or an empty one when it returned something else."""
         if not self.leads:
             return self._follow()
         assert fn is not None
         try:
-            result = encode(fn())
+            returned = fn()
+            result = returned if isinstance(returned, Outcome) else Outcome()
         except BaseException as exc:
             message = f"{type(exc).__name__}: {exc}".encode()[:65536]
             self.announce(ERROR, len(message))
             dist.broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), 0, group=self.group)
             raise
-        self.announce(END, *result)
+        self.announce(END, *result.header())
         return result
 
     def announce(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
@@ -110,13 +130,13 @@ class Conductor:
         if self.leads and time.monotonic() - self._last_op > self.heartbeat_s:
             self.announce(NOP)
 
-    def _follow(self) -> tuple[int, int, int]:
+    def _follow(self) -> Outcome:
         header = torch.empty(4, dtype=torch.int64)
         while True:
             dist.broadcast(header, 0, group=self.group)
             op, a, b, c = (int(x) for x in header)
             if op == END:
-                return a, b, c
+                return Outcome.from_header(a, b, c)
             if op == ERROR:
                 message = torch.empty(a, dtype=torch.uint8)
                 dist.broadcast(message, 0, group=self.group)
@@ -154,9 +174,9 @@ class ConductedStore:
         self.conductor = Conductor(timeout_s=island.collective_timeout_s, heartbeat_s=island.heartbeat_s)
         self.rank, self.world = self.conductor.rank, self.conductor.world
 
-    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
+    def run(self, fn: Callable[[], object] | None) -> Outcome:
         """See `Conductor.run`: rank 0 runs `fn`, the others follow its reads and writes."""
-        return self.conductor.run(fn, encode)
+        return self.conductor.run(fn)
 
     def island_probe(self, probe: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         return self.conductor.island_probe(probe)

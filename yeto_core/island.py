@@ -7,17 +7,23 @@ Every trainer adapter makes the same four calls on every rank of its island, at 
     island.start()                                             # joins; installs the initial cut
     for ...:
         train_step()
-        if island.step(tokens):                                # once per optimizer step
+        if island.step(tokens, last=this_is_the_last_step):    # once per optimizer step
             break                                              # the final cut is installed: stop
-    island.finish()                                            # training ended first: final cut
+    island.finish()                                            # training ended early: final cut
     island.close()
+
+The island owns the end of the run, so adapters keep no flags of their own: `step(..., last=True)`
+on the trainer's last step waits for the final cut there; `end_iteration(last=...)` ends a phase of
+an RL trainer (a sweep when `rl_mode` sweeps, the final cut after the last one); `finish` is
+idempotent, so an adapter calls it wherever training may end; `final` says, on every rank alike,
+that the final cut is in (later `step` calls return True at once: stop, or hold the weights).
+Rank 0 says once per island, in one line, at which step the final cut was installed.
 
 With several ranks, rank 0 alone runs the `LearnerSession` and talks to the syncer; the store's
 `run` makes every other rank follow rank 0's reads and writes op by op (`yeto_core.conductor`),
 and carries the call's answer and rank 0's counters back to every rank, so all ranks stop at the
-same step holding the same weights and report the same `IslandStats`. An error on rank 0 is
-raised on every rank. Trainers whose steps come in phases (RL: rollouts, then updates) call
-`sweep()` at the end of a phase instead of relying on the per-step boundaries alone.
+same step holding the same weights and report the same `IslandStats` (the call's `Outcome`, one
+typed header from rank 0). An error on rank 0 is raised on every rank.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ import socket
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
+from yeto_core.conductor import Outcome
 from yeto_core.consensus_report import Probe
 from yeto_core.learner import LearnerSession, LearnerStats
 from yeto_core.learner_metrics import LearnerMetricsServer
@@ -44,8 +51,6 @@ __all__ = ["CollectiveStore", "IslandSession", "IslandStats"]
 
 log = logging.getLogger("yeto.island")
 
-T = TypeVar("T")
-
 
 class CollectiveStore(TensorStore, Protocol):
     """The tensors of an island of several ranks; every rank holds one of these.
@@ -56,9 +61,10 @@ class CollectiveStore(TensorStore, Protocol):
 
     rank: int
 
-    def run(self, fn: Callable[[], T] | None, encode: Callable[[T], tuple[int, int, int]]) -> tuple[int, int, int]:
+    def run(self, fn: Callable[[], object] | None) -> Outcome:
         """Rank 0 runs `fn` (the others pass None and follow its reads and writes); every rank
-        returns `encode(fn())`. A failure on rank 0 is raised on every rank."""
+        returns the `Outcome` `fn` returned (an empty one for anything else). A failure on rank 0
+        is raised on every rank."""
         ...
 
     def island_probe(self, probe: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -87,7 +93,8 @@ class IslandStats:
 class IslandSession:
     """Give either the live trainable tensors (`named_params`, one process holds them all) or a
     `store` whose reads and writes span the island's ranks. Keyword arguments mirror
-    `LearnerSession`'s."""
+    `LearnerSession`'s; `on_final` ends the line that says the final cut is in (what the trainer
+    does next)."""
 
     def __init__(
         self,
@@ -97,15 +104,20 @@ class IslandSession:
         store: CollectiveStore | None = None,
         embedding_names: Collection[str] = (),
         probe: Probe | None = None,
+        on_final: str = "training stops",
     ) -> None:
         if (named_params is None) == (store is None):
             raise ValueError("IslandSession needs exactly one of named_params or store")
         self.settings = settings
         self.store = store
         self.session: LearnerSession | None = None  # rank 0 (or the only process) only
+        self.on_final = on_final
+        self._first_step = 0  # the trainer's steps before this run's first (a resumed run)
         self._steps = 0
         self._in_yeto_s = 0.0
         self._answer = IslandStats()
+        self._final = False  # from the last call's outcome: the same on every rank
+        self._finished = False  # finish() ran; later calls return its answer
         self._closed = False
         self.metrics: LearnerMetricsServer | None = None  # rank 0's /metrics, with `metrics_port`
         if store is None:
@@ -121,6 +133,11 @@ class IslandSession:
         return 0 if self.store is None else self.store.rank
 
     @property
+    def final(self) -> bool:
+        """The final cut is installed (every rank alike)."""
+        return self._final
+
+    @property
     def stats(self) -> IslandStats:
         if self.session is None:
             return self._answer
@@ -128,9 +145,12 @@ class IslandSession:
         return IslandStats(s.steps, s.pushes, s.installs, s.final_installed, s, self._in_yeto_s)
 
     # -- the collective calls ------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, first_step: int = 0) -> None:
         """Connect and install the initial cut. A permanent refusal raises here (on every rank),
-        unless `alone_if_refused` lets the island train on alone."""
+        unless `alone_if_refused` lets the island train on alone. `first_step`: the trainer's step
+        count before this run's first step (a resumed run), so the island's lines name its steps."""
+        self._first_step = first_step
+
         def start(session: LearnerSession) -> bool:
             if self.settings.metrics_port is not None and self.metrics is None:
                 self.metrics = self._serve_metrics(session)
@@ -139,22 +159,46 @@ class IslandSession:
 
         self._together(start)
 
-    def step(self, tokens: int) -> bool:
+    def step(self, tokens: int, *, last: bool = False) -> bool:
         """Account one optimizer step of `tokens` (the island's tokens; rank 0's value counts).
-        True on every rank when the final cut was installed: stop training at this step."""
+        `last`: the trainer's last step, where the final cut is waited for (`finish`) unless it came
+        with the step. True on every rank once the final cut is installed: stop training at this
+        step (a later call returns True at once, touching nothing)."""
+        if self._final:
+            return True
         self._steps += 1
-        return self._timed(lambda session: session.step(tokens))
+        if self._timed(lambda session: session.step(tokens)):
+            self._announce("")
+            return True
+        return self.finish() if last else False
 
     def sweep(self) -> bool:
         """A boundary for every fragment at once (`LearnerSession.sweep`): push every fragment the
         syncer asked for, then wait for their merges and install them (at once with `overlap`).
         True when the final cut was installed meanwhile."""
-        return self._timed(lambda session: session.sweep())
+        if self._final:
+            return True
+        if self._timed(lambda session: session.sweep()):
+            self._announce("")
+        return self._final
+
+    def end_iteration(self, *, last: bool = False) -> bool:
+        """The end of one phase of steps (an RL iteration's update): every fragment swept when
+        `rl_mode` sweeps, and after the run's `last` phase the final cut waited for. True once the
+        final cut is installed."""
+        if self.settings.sweeps:
+            self.sweep()
+        return self.finish() if last else self._final
 
     def finish(self) -> bool:
         """Training ended here first: wait (at most `final_timeout_s`) for the final cut. True
-        when it was installed."""
-        return self._together(lambda session: session.finish())
+        when it was installed. Idempotent: a later call returns the first one's answer."""
+        if self._final or self._finished:
+            return self._final
+        self._finished = True
+        if self._together(lambda session: session.finish()):
+            self._announce(", the trainer's last")
+        return self._final
 
     def close(self) -> None:
         """Every rank, once (later calls do nothing)."""
@@ -169,6 +213,11 @@ class IslandSession:
             self.store.close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _announce(self, which: str) -> None:
+        if self.rank == 0:  # every rank stops; the island says so once
+            log.warning("yeto learner %d: final cut installed at step %d%s; %s", self.settings.learner_id,
+                        self._first_step + self._steps, which, self.on_final)
+
     def _timed(self, call: Callable[[LearnerSession], bool]) -> bool:
         """`_together(call)`, its time added to what the training thread spent in yeto."""
         started = time.perf_counter()
@@ -197,14 +246,18 @@ class IslandSession:
     def _together(self, call: Callable[[LearnerSession], bool]) -> bool:
         if self.store is None:
             assert self.session is not None
-            return bool(call(self.session))
+            answer = bool(call(self.session))
+            self._final = self.session.stats.final_installed
+            return answer
         session = self.session
 
-        def encode(answer: bool) -> tuple[int, int, int]:
+        def lead() -> Outcome:
             assert session is not None
+            answer = call(session)
             s = session.stats
-            return int(bool(answer)) | int(s.final_installed) << 1, s.pushes, s.installs
+            return Outcome(bool(answer), s.final_installed, s.pushes, s.installs)
 
-        flags, pushes, installs = self.store.run((lambda: call(session)) if session is not None else None, encode)
-        self._answer = IslandStats(self._steps, pushes, installs, bool(flags & 2))
-        return bool(flags & 1)
+        outcome = self.store.run(lead if session is not None else None)
+        self._final = outcome.final_installed
+        self._answer = IslandStats(self._steps, outcome.pushes, outcome.installs, outcome.final_installed)
+        return outcome.answer

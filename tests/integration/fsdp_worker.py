@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore"))
 from launch import end_rank, report
 
+from yeto_core.conductor import Outcome
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
@@ -90,7 +91,7 @@ def mode_exact(rank: int, world: int) -> None:
         box["read"] = store.gather(fragment)
         return False
 
-    store.run(gather if rank == 0 else None, lambda _: (0, 0, 0))
+    store.run(gather if rank == 0 else None)
     read = share(box.get("read"))
     before = {name: full(p).float().clone() for name, p in named}
     for slot in fragment.slots:
@@ -99,8 +100,7 @@ def mode_exact(rank: int, world: int) -> None:
     new = torch.randn(fragment.numel, generator=torch.Generator().manual_seed(7))
     for alpha in (0.0, 0.5):
         base = {name: full(p).float().clone() for name, p in named}
-        store.run((lambda a=alpha: store.install(fragment, new.clone(), a)) if rank == 0 else None,  # type: ignore[misc]
-                  lambda _: (0, 0, 0))
+        store.run((lambda a=alpha: store.install(fragment, new.clone(), a)) if rank == 0 else None)  # type: ignore[misc]
         for slot in fragment.slots:
             glob = new[slot.offset : slot.offset + slot.numel].view(slot.shape)
             want = glob if alpha == 0.0 else base[slot.name].mul(alpha).add(glob, alpha=1.0 - alpha)
@@ -122,7 +122,7 @@ def mode_exact(rank: int, world: int) -> None:
             box["probe"] = lead()
         return False
 
-    store.run(probe if rank == 0 else None, lambda _: (0, 0, 0))
+    store.run(probe if rank == 0 else None)
     plain, _ = build(1)
     plain.load_state_dict({name: full(p).float() for name, p in named})
     if rank == 0 and not torch.allclose(box["probe"], plain(probe_x), rtol=0, atol=1e-6):
@@ -163,18 +163,16 @@ def mode_train(rank: int, world: int) -> None:
     settings = load_settings(LearnerSettings, sync_interval=6, merge_alpha=0.0)
     store = ProcessGroupStore(list(model.named_parameters()), island=settings.island)
     session = LearnerSession(settings, store=store) if rank == 0 else None
-    store.run((lambda: session.start()) if session is not None else None, lambda _: (0, 0, 0))  # type: ignore[union-attr]
+    store.run((lambda: session.start()) if session is not None else None)  # type: ignore[union-attr]
     be = 2  # H = 6 over 3 fragments: a boundary every 2 steps
     final, step = False, 0
     while not final and step < 500:
         step += 1
         # One collective call per step on every rank: rank 0 waits inside it, the others follow.
-        store.run((lambda n=step: lock_step(session, store, n, be)) if session is not None else None,  # type: ignore[misc]
-                  lambda _: (0, 0, 0))
+        store.run((lambda n=step: lock_step(session, store, n, be)) if session is not None else None)  # type: ignore[misc]
         train_step(model, target, opt, step, rank, world)
-        answer, _, _ = store.run((lambda: session.step(GLOBAL_BATCH)) if session is not None else None,  # type: ignore[union-attr]
-                                 lambda a: (int(bool(a)), 0, 0))
-        final = bool(answer)
+        outcome = store.run((lambda: Outcome(session.step(GLOBAL_BATCH))) if session is not None else None)  # type: ignore[union-attr]
+        final = outcome.answer
     digest = hashlib.sha256(b"".join(full(p).float().numpy().tobytes() for _, p in model.named_parameters()))
     if session is not None:
         session.close()

@@ -64,17 +64,20 @@ from yeto_plugins.swift_megatron.register import AnchorEntry, AutoAttached
 
 events = []
 
-class Sync:
+class Sync:  # IslandSession's end of run: a last step waits for the final cut; finish is idempotent
     def __init__(self, trainer):
         self.trainer, self.stats = trainer, types.SimpleNamespace(pushes=0, installs=0, in_yeto_s=0.25)
+        self.final = False
     def start(self): events.append("start")
-    def step(self, tokens):
+    def step(self, tokens, last=False):
         self.stats.pushes += 1
         st = self.trainer.state  # what swift's default_flow has done to this step so far
         events.append(["step", tokens, st.iteration, st.consumed_train_samples, st.should_save])
-        return False
+        return last and self.finish()
     def finish(self):
-        events.append(["finish", self.trainer.state.should_save])
+        if not self.final:
+            events.append(["finish", self.trainer.state.should_save])
+            self.final = True
         return True
     def close(self): events.append("close")
 

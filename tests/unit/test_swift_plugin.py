@@ -45,24 +45,34 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- stand-ins ----------------------------------------------------------------------------------
 
 class RecordingSync:
-    """Takes the sync core's place; the real one is tested end to end with Megatron ranks."""
+    """Takes the sync core's place, with `IslandSession`'s end of run (a `last` step waits for the final cut;
+    `finish` is idempotent; once final, `step` returns True at once); the real one is tested end to end
+    with Megatron ranks."""
 
     def __init__(self, log: list[Any], final_at: int | None = None, finish_result: bool = True) -> None:
         self.log, self.final_at, self.finish_result = log, final_at, finish_result
         self.stats = SimpleNamespace(pushes=0, installs=0, steps=0, in_yeto_s=0.25)
+        self.final = self.finished = False
 
     def start(self) -> None:
         self.log.append("start")
 
-    def step(self, tokens: int) -> bool:
+    def step(self, tokens: int, *, last: bool = False) -> bool:
+        if self.final:
+            return True
         self.stats.steps += 1
         self.stats.pushes += 1
         self.log.append(("step", tokens))
-        return self.stats.steps == self.final_at
+        self.final = self.stats.steps == self.final_at
+        return self.final or (last and self.finish())
 
     def finish(self) -> bool:
+        if self.final or self.finished:
+            return self.final
+        self.finished = True
         self.log.append("finish")
-        return self.finish_result
+        self.final = self.finish_result
+        return self.final
 
     def close(self) -> None:
         self.log.append("close")

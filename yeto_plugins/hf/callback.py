@@ -45,9 +45,11 @@ class YetoDiLoCo(TrainerCallback):
         self.settings: LearnerSettings = load_settings(LearnerSettings, **settings)
         self.settings.read_key()  # a missing or short key fails building the Trainer, not its first step
         self.island: IslandSession | None = None
-        self.final_installed = False
-        self._finish_asked = False  # finish() ran at the last step: on_train_end must not wait twice
         self._tokens_seen = 0
+
+    @property
+    def final_installed(self) -> bool:
+        return self.island is not None and self.island.final
 
     @property
     def session(self) -> LearnerSession | None:
@@ -66,12 +68,14 @@ class YetoDiLoCo(TrainerCallback):
         self._tokens_seen = int(state.num_input_tokens_seen)
         probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
         s = self.settings
+        on_final = "training stops and the Trainer saves it" if args.save_strategy != "no" else "training stops"
         if args.world_size > 1:  # DDP, FSDP2 or ZeRO: rank 0 talks to the syncer, the others follow
             store = ProcessGroupStore(named, embedding_names(model), s.island)
-            self.island = IslandSession(s, store=store, probe=probe)
+            self.island = IslandSession(s, store=store, probe=probe, on_final=on_final)
         else:
-            self.island = IslandSession(s, named, embedding_names=embedding_names(model), probe=probe)
-        self.island.start()
+            self.island = IslandSession(s, named, embedding_names=embedding_names(model), probe=probe,
+                                        on_final=on_final)
+        self.island.start(first_step=state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
@@ -79,33 +83,20 @@ class YetoDiLoCo(TrainerCallback):
             return control
         seen = int(state.num_input_tokens_seen)
         tokens, self._tokens_seen = seen - self._tokens_seen, seen
-        if self.island.step(tokens):
-            self._final_cut(args, state, control, "")
-        elif 0 < state.max_steps <= state.global_step:
-            self._finish_asked = True
-            if self.island.finish():
-                self._final_cut(args, state, control, f" (max_steps {state.max_steps} reached first)")
+        if self.island.step(tokens, last=0 < state.max_steps <= state.global_step):
+            # Stop at this step, and have the Trainer log, save and evaluate the final model here.
+            control.should_training_stop = True
+            control.should_log = True
+            control.should_save = control.should_save or args.save_strategy != "no"
+            control.should_evaluate = control.should_evaluate or args.eval_strategy != "no"
         return control
-
-    def _final_cut(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, why: str) -> None:
-        """Stop at this step, and have the Trainer log, save and evaluate the final model here."""
-        self.final_installed = True
-        control.should_training_stop = True
-        control.should_log = True
-        saves = args.save_strategy != "no"
-        control.should_save = control.should_save or saves
-        control.should_evaluate = control.should_evaluate or args.eval_strategy != "no"
-        if state.is_world_process_zero:  # every rank stops; the island says so once
-            log.warning("yeto learner %d: final cut installed at step %d%s; training stops%s",
-                        self.settings.learner_id, state.global_step, why, " and the Trainer saves it" if saves else "")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self.island is None:
             return
         try:
-            if not self._finish_asked:
-                self.final_installed = self.island.finish()
+            self.island.finish()  # idempotent: waits only when training stopped early for a reason of its own
         finally:
             self.island.close()
 

@@ -4,9 +4,9 @@
     sync.start()                                            # every rank: joins, installs the initial cut
     for step in ...:
         train_step()
-        if sync.step(tokens):                               # every rank, once per optimizer step
+        if sync.step(tokens, last=step == last_step):       # every rank, once per optimizer step
             break                                           # the final cut is installed: stop here
-    sync.finish(); sync.close()
+    sync.finish(); sync.close()                             # finish: idempotent, for an early end
 
 Framework-free apart from megatron-core: a trainer plugin (ms-swift's callback, a Megatron
 training loop) calls these four methods on every rank at the same points. Rank 0 of the island
@@ -39,7 +39,8 @@ class MegatronDiLoCoSync:
     """Keyword arguments are `LearnerSettings` fields; they win over `YETO_DILOCO_*`."""
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any,
-                 settings: LearnerSettings | None = None, **overrides: Any) -> None:
+                 settings: LearnerSettings | None = None, *, on_final: str = "training stops",
+                 **overrides: Any) -> None:
         self.settings = settings if settings is not None else load_settings(LearnerSettings, **overrides)
         chunks = list(model) if isinstance(model, Sequence) else [model]
         self.store = IslandStore(chunks, optimizer, self.settings.island)
@@ -47,7 +48,8 @@ class MegatronDiLoCoSync:
         # Built on every rank (the same way): the probe is a collective of the whole island.
         probe = (megatron_logit_probe(chunks, self.store.group, self.settings.consensus_tokens)
                  if self.settings.consensus_every else None)
-        self.island = IslandSession(self.settings, store=self.store, embedding_names={EMBEDDING}, probe=probe)
+        self.island = IslandSession(self.settings, store=self.store, embedding_names={EMBEDDING}, probe=probe,
+                                    on_final=on_final)
         self.session: LearnerSession | None = self.island.session  # rank 0 only
 
     @property
@@ -59,22 +61,32 @@ class MegatronDiLoCoSync:
     def stats(self) -> IslandStats:
         return self.island.stats
 
+    @property
+    def final(self) -> bool:
+        """The final cut is installed (every rank alike)."""
+        return self.island.final
+
     # -- the collective calls (`IslandSession`) ----------------------------------------------------
     def start(self) -> None:
         """Connect (rank 0) and install the initial cut on every rank."""
         self.island.start()
 
-    def step(self, tokens: int) -> bool:
+    def step(self, tokens: int, *, last: bool = False) -> bool:
         """Account one optimizer step of `tokens` (the island's tokens, rank 0's value counts);
-        True on every rank when the final cut was installed: stop training at this step."""
-        return self.island.step(tokens)
+        `last`: the trainer's last step (the final cut is waited for there). True on every rank once
+        the final cut is installed: stop training at this step (`IslandSession.step`)."""
+        return self.island.step(tokens, last=last)
 
     def sweep(self) -> bool:
         """Every pulled fragment pushed now, their merges waited for (see `IslandSession.sweep`)."""
         return self.island.sweep()
 
+    def end_iteration(self, *, last: bool = False) -> bool:
+        """The end of an RL iteration (`IslandSession.end_iteration`)."""
+        return self.island.end_iteration(last=last)
+
     def finish(self) -> bool:
-        """Training ended here first: wait (deadline `final_timeout_s`) for the final cut."""
+        """Training ended here first: wait (deadline `final_timeout_s`) for the final cut; idempotent."""
         return self.island.finish()
 
     def close(self) -> None:
@@ -112,4 +124,4 @@ class MegatronDiLoCoSync:
 
     def _run(self, fn: Callable[[], bool]) -> None:
         """A whole-model read or write: rank 0 runs `fn`, the other ranks follow."""
-        self.store.run(fn if self.rank == 0 else None, lambda _: (0, 0, 0))
+        self.store.run(fn if self.rank == 0 else None)

@@ -90,9 +90,8 @@ class MilesIsland:
         refuse_unaccounted(args)
         self.args = args
         self.settings = settings if settings is not None else load_settings(LearnerSettings)
-        self.sync = MegatronDiLoCoSync(list(model), optimizer, self.settings)
-        self.final = False  # the final cut is installed: later steps leave the weights as they are
-        self.finished = False
+        self.sync = MegatronDiLoCoSync(list(model), optimizer, self.settings,
+                                       on_final="later steps leave the weights as they are")
         self.at: tuple[int, int] = (0, 0)  # (rollout_id, step_id) of the step under way
         self.sync.start()
         self._real_step = optimizer.step
@@ -102,14 +101,17 @@ class MilesIsland:
     def at_step(self, rollout_id: int, step_id: int) -> None:
         self.at = (rollout_id, step_id)
 
+    @property
+    def final(self) -> bool:
+        """The final cut is installed: later steps leave the weights as they are."""
+        return self.sync.final
+
     def _step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.final:  # Miles asserts success (model.py:627); the weights stay the final cut
+        if self.sync.final:  # Miles asserts success (model.py:627); the weights stay the final cut
             return True, 0.0, 0
         outcome = self._real_step(*args, **kwargs)
-        if outcome[0]:
-            self.final = self.sync.step(tokens_per_step(self.args))
-            if not self.final and not self.sync.settings.sweeps and self.last_step_of_run():
-                self._finish()  # streaming: the run's last step; the backup after it holds the final cut
+        if outcome[0]:  # streaming: the run's last step waits for the final cut; the backup after it holds it
+            self.sync.step(tokens_per_step(self.args), last=not self.sync.settings.sweeps and self.last_step_of_run())
         return outcome
 
     def sweep(self, rollout_id: int, backuper: Any | None) -> bool:
@@ -117,13 +119,10 @@ class MilesIsland:
         asked for after the run's last rollout, then the backup refreshed (`backuper`, when Miles
         keeps one) so that the rollout and the next training pass see what was installed. Every
         rank calls it. True once the final cut is installed."""
-        if not self.final and self.sync.settings.sweeps:
-            self.final = self.sync.sweep()
-        if not self.final and rollout_id >= int(self.args.num_rollout) - 1:
-            self._finish()
+        self.sync.end_iteration(last=rollout_id >= int(self.args.num_rollout) - 1)
         if backuper is not None:
             backuper.backup("actor")
-        return self.final
+        return self.sync.final
 
     def last_step_of_run(self) -> bool:
         rollout_id, step_id = self.at
@@ -131,12 +130,3 @@ class MilesIsland:
 
     def close(self) -> None:
         self.sync.close()
-
-    def _finish(self) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        self.final = self.sync.finish()
-        stats = self.sync.stats
-        log.warning("yeto: the run's last step: final cut %s (%d pushes, %d installs)",
-                    "installed" if self.final else "NOT installed", stats.pushes, stats.installs)

@@ -42,8 +42,11 @@ class SyncCore(Protocol):
     @property
     def stats(self) -> Any: ...
 
+    @property
+    def final(self) -> bool: ...
+
     def start(self) -> None: ...
-    def step(self, tokens: int) -> bool: ...
+    def step(self, tokens: int, *, last: bool = False) -> bool: ...
     def finish(self) -> bool: ...
     def close(self) -> None: ...
 
@@ -88,12 +91,14 @@ class YetoMegatronCallback:
         self.args = trainer.args
         self.state = trainer.state
         self.sync: SyncCore | None = None
-        self.final_installed = False
         self._settings = settings
         self._sync_factory = sync_factory
         self._seq_length = 0
         self._samples_seen: int | None = None
-        self._finished = False
+
+    @property
+    def final_installed(self) -> bool:
+        return self.sync is not None and self.sync.final
 
     def on_train_begin(self) -> None:
         # Settings are read here, not in __init__, so a bad value stops the run at the start of
@@ -106,22 +111,17 @@ class YetoMegatronCallback:
         self.sync.start()
 
     def on_step_end(self) -> None:
-        if self.sync is None or self._finished:
+        if self.sync is None:
             return
-        if self.sync.step(self._step_samples() * self._seq_length):
-            self.final_installed = self._finished = True
-            self.args.train_iters = self.state.iteration
-        elif self.state.iteration >= self.args.train_iters:
-            self.final_installed = self.sync.finish()
-            self._finished = True
+        last = self.state.iteration >= self.args.train_iters
+        if self.sync.step(self._step_samples() * self._seq_length, last=last):
+            self.args.train_iters = self.state.iteration  # swift's loop ends here, and default_flow saves
 
     def on_train_end(self) -> None:
         if self.sync is None:
             return
         try:
-            if not self._finished:  # e.g. a later callback lowered train_iters after our on_step_end
-                self.final_installed = self.sync.finish()
-                self._finished = True
+            self.sync.finish()  # idempotent: waits only when training ended before its last step
         finally:
             self.sync.close()
 

@@ -42,6 +42,7 @@ from yeto_plugins.torch_dist.store import ProcessGroupStore
 log = logging.getLogger("yeto.verl")
 
 ON_TRAIN_MESH = make_nd_compute_dataproto_dispatch_fn(mesh_name="train")  # as TrainingWorker's own methods
+ON_FINAL = "the remaining steps leave the weights as they are"
 
 
 def attach() -> None:
@@ -71,7 +72,11 @@ class YetoTrainingWorker(TrainingWorker):
         super().__init__(config)
         self.island: IslandSession | None = None
         self.iterations = 0
-        self.final = False  # the final cut is installed: the weights stay as they are
+
+    @property
+    def final(self) -> bool:
+        """The final cut is installed: the weights stay as they are."""
+        return self.island is not None and self.island.final
 
     # -- the hooks -----------------------------------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -87,32 +92,23 @@ class YetoTrainingWorker(TrainingWorker):
         if self.final:
             self._hold_weights()
         output = super().train_batch(data)
-        if not self.final and self.island is not None:
-            self.final = self.island.step(int(tokens))
-            if self.final:
-                log.warning("yeto: final cut installed at iteration %d; the remaining steps leave the weights as "
-                            "they are", self.iterations + 1)
+        if self.island is not None:
+            self.island.step(int(tokens))
         return output
 
     @register(dispatch_mode=ON_TRAIN_MESH, blocking=False)
     def train_mini_batch(self, data: Any) -> Any:
         output = super().train_mini_batch(data)
         self.iterations += 1
-        island, settings = self.island, self.settings
-        assert settings is not None
-        if island is None or self.final:
+        island = self.island
+        if island is None:
             return output
         total = self.optimizer_config.total_training_steps
         last = total is not None and 0 < total <= self.iterations
-        with self.engine.train_mode():
-            if settings.sweeps:
-                self.final = island.sweep()
-            if last and not self.final:
-                self.final = island.finish()
+        if not island.final:
+            with self.engine.train_mode():
+                island.end_iteration(last=last)
         if last:
-            stats = island.stats
-            log.warning("yeto: last iteration %d: final cut %s (%d pushes, %d installs)", self.iterations,
-                        "installed" if stats.final_installed else "NOT installed", stats.pushes, stats.installs)
             island.close()
         return output
 
@@ -124,7 +120,7 @@ class YetoTrainingWorker(TrainingWorker):
         if is_megatron(engine):  # verl's Megatron engine: the same core as ms-swift's (GPU only)
             from yeto_plugins.megatron.sync import MegatronDiLoCoSync
 
-            island = MegatronDiLoCoSync(engine.module, engine.optimizer, settings).island
+            island = MegatronDiLoCoSync(engine.module, engine.optimizer, settings, on_final=ON_FINAL).island
         else:
             strategy = getattr(self.engine_config, "strategy", None)
             if strategy != "fsdp2":
@@ -135,7 +131,7 @@ class YetoTrainingWorker(TrainingWorker):
             named = synced_parameters(module, settings.tuning)
             store = ProcessGroupStore(named, embedding_names(module), settings.island)
             probe = logit_probe(module, settings.consensus_tokens) if settings.consensus_every else None
-            island = IslandSession(settings, store=store, probe=probe)
+            island = IslandSession(settings, store=store, probe=probe, on_final=ON_FINAL)
         total = self.optimizer_config.total_training_steps
         if total is None or total <= 0:
             log.warning("yeto: verl set no total_training_steps: the island gets the final cut only when the syncer "

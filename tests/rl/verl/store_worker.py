@@ -64,7 +64,7 @@ def main() -> None:
             store.install(fragment, read[fragment.index] + SHIFT, 0.0)
         return False
 
-    store.run(read_then_write if rank == 0 else None, lambda _: (0, 0, 0))
+    store.run(read_then_write if rank == 0 else None)
     after = harness.actor_full_params(worker)
     for fragment in layout.fragments:
         for slot in fragment.slots:
