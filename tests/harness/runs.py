@@ -64,17 +64,45 @@ class Run:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
 
+    def crash(self) -> None:
+        """SIGKILL the process and every process under it, by pid (an island's machine lost mid-run), and reap
+        it. torchrun starts its ranks in sessions of their own, so its group alone would leave them running."""
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process under `pid`, from /proc (children before their own children)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # the name may hold spaces and parentheses
+                parents.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(parents.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo.extend(parents.get(child, []))
+    return found
+
 
 def stop(run: Run) -> None:
-    """End the process and everything in its group (a launcher's ranks), by the group's id."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """End the process and everything under it: SIGTERM to its group (a launcher passes it on to its ranks), then
+    SIGKILL to whatever is left of its tree, by pid."""
+    tree = [run.process.pid, *descendants(run.process.pid)]  # before the launcher dies and its ranks are orphans
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(run.process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        run.process.wait(timeout=10)
+    for pid in tree:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(run.process.pid, sig)
-        try:
-            run.process.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        run.process.wait(timeout=10)
 
 
 def start(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Run:

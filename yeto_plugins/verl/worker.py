@@ -13,9 +13,15 @@ parameters to the rollout engine with `update_weights` (`:728`, reading
   is accounted; with `rl_mode=stream` that is the ordinary DiLoCo boundary (a fragment every
   H/P steps), with `sweep`/`overlap` the step is only counted;
 * `train_mini_batch`: at the end of each RL iteration, before `update_weights`, `sweep` and
-  `overlap` sweep every fragment (`IslandSession.sweep`); on the last iteration (verl's
+  `overlap` sweep every fragment (`IslandSession.end_iteration`); on the last iteration (verl's
   `total_training_steps`, which its driver sets to the number of iterations) the island asks for
-  the final cut and installs it, so the last `update_weights` and checkpoint carry it.
+  the final cut and installs it, so the last `update_weights` and checkpoint carry it;
+* `load_checkpoint`: verl resumes (`trainer.resume_mode`, `auto` by default) after the workers are
+  built (`verl/trainer/ppo/v1/trainer_base.py:392`, `:850-883`), so its checkpoint overwrites the
+  weights the island installed at its join. The island then joins again, which installs the
+  syncer's current global weights over the checkpoint's (its optimizer moments and scheduler stay),
+  and counts on from the checkpoint's iteration (`global_step_N`, as verl names it, `:876`), so the
+  run's last iteration still installs the final cut.
 
 Every install writes the engine's own parameters in place (FSDP2 `DTensor` shards through
 `ProcessGroupStore`, or Megatron's fp32 masters and parameters through `MegatronDiLoCoSync`), so
@@ -27,6 +33,7 @@ runs its remaining iterations, and the final weights stay what the rollout serve
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any, ClassVar
 
@@ -110,6 +117,18 @@ class YetoTrainingWorker(TrainingWorker):
                 island.end_iteration(last=last)
         if last:
             island.close()
+        return output
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False) -> Any:
+        output = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        resumed = re.search(r"global_step_(\d+)", str(local_path))
+        if resumed:
+            self.iterations = int(resumed.group(1))
+        if self.island is not None:  # the checkpoint's weights are this island's past: take the run's present
+            self.island.close()
+            with self.engine.train_mode():
+                self.island = self._join()
         return output
 
     # -- internals -----------------------------------------------------------------------------
