@@ -25,3 +25,17 @@ def test_a_dynamic_global_batch_is_refused_by_name_before_the_island_is_built() 
 def test_a_fixed_global_batch_gives_the_counts_the_island_uses() -> None:
     args = SimpleNamespace(**ARGS, use_dynamic_global_batch_size=False)
     assert tokens_per_step(args) == 64 * 512 and steps_per_rollout(args) == 16 * 8 // 64
+
+
+@pytest.mark.parametrize("adapters", [2, 8])
+def test_multi_lora_is_refused_by_name(adapters: int) -> None:
+    args = SimpleNamespace(**ARGS, multi_lora_n_adapters=adapters)
+    with pytest.raises(SettingsError, match="--multi-lora-n-adapters") as err:
+        MilesIsland(args, model=[], optimizer=None)
+    assert "run one adapter per island" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_no_multi_lora_is_no_refusal() -> None:
+    from yeto_plugins.miles.hook import refuse_unaccounted
+
+    refuse_unaccounted(SimpleNamespace(**ARGS, multi_lora_n_adapters=0, use_dynamic_global_batch_size=False))

@@ -72,6 +72,11 @@ UNACCOUNTED = {
         "--use-dynamic-global-batch-size varies the samples of each step and the steps of each rollout, which "
         "the island counts from --global-batch-size x --seq-length (its tokens per step, which weigh its pushes) "
         "and --rollout-batch-size x --n-samples-per-prompt / --global-batch-size (its steps per rollout)"),
+    # multi-LoRA (miles/utils/args/configs/lora.py in later Miles): several adapters train in one actor, and an
+    # island is one model: whose deltas it would push, and into which adapter a merge goes, is undefined.
+    "multi_lora_n_adapters": (
+        "--multi-lora-n-adapters trains several LoRA adapters in one actor, and an island syncs one model: "
+        "run one adapter per island (a single LoRA, --lora-rank, syncs its trainable adapter weights)"),
 }
 
 
