@@ -241,7 +241,7 @@ class Run:
     def yeto(self) -> dict[str, Any]:
         from yeto_core.learner import LearnerSession
         from yeto_core.settings import LearnerSettings, load_settings
-        from yeto_plugins.hf.callback import embedding_names, synced_parameters
+        from yeto_plugins.torch_dist.modules import embedding_names, synced_parameters
 
         s, m, arm = self.shape, self.arm.learners, self.arm
         threaded = arm.unpaced or arm.lockstep_threads

@@ -5,7 +5,7 @@
 # so pip does not pull another torch afterwards. Users on GPU machines keep their own torch.
 # verl pins transformers below the version the hf extra installs, so it gets a venv of its own,
 # .venv-verl, where the verl tests run (tests/rl/verl, started by tests/test_trainer_venvs.py), and so does
-# ms-swift (.venv-swift, tests/swift); .venv-core has the core dependencies alone (tests/test_core_venv.py).
+# ms-swift (.venv-swift, tests/ms_swift); .venv-core has the core dependencies alone (tests/test_core_venv.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -63,7 +63,7 @@ if [ ! -f "$verl_stamp" ] || [ "$(cat "$verl_stamp")" != "$want" ]; then
   echo "$want" >"$verl_stamp"
 fi
 
-# .venv-swift: ms-swift 4.6.0 pins transformers below 5.20, under the hf extra's, so its tests (tests/swift,
+# .venv-swift: ms-swift 4.6.0 pins transformers below 5.20, under the hf extra's, so its tests (tests/ms_swift,
 # started by tests/test_trainer_venvs.py) run here. This is the README's ms-swift recipe: torch first, then
 # ms-swift with its megatron extra (megatron-core and mcore-bridge: swift's Megatron callback files), then yeto.
 if [ ! -x .venv-swift/bin/python ]; then

@@ -1,5 +1,5 @@
 """The tests of a trainer whose pins clash with ours run in that trainer's own venv, which `scripts/setup.sh`
-builds: verl 0.9.1 (`tests/rl/verl` in `.venv-verl`) and ms-swift 4.6.0 (`tests/swift` in `.venv-swift`) each
+builds: verl 0.9.1 (`tests/rl/verl` in `.venv-verl`) and ms-swift 4.6.0 (`tests/ms_swift` in `.venv-swift`) each
 pin a transformers older than the one the main venv's hf extra installs. This test is how the one test
 command runs them: it starts that venv's pytest on that directory and passes when it passes, with its
 output in the failure otherwise, and only when no test there was skipped. The main run never collects
@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 540  # each suite's deadline on 2 cores, not its goal (verl: about 5 minutes; swift: about 1)
 TAIL_CHARS = 12000
-SUITES = {"verl": (".venv-verl", "tests/rl/verl"), "swift": (".venv-swift", "tests/swift")}
+SUITES = {"verl": (".venv-verl", "tests/rl/verl"), "swift": (".venv-swift", "tests/ms_swift")}
 
 
 @pytest.mark.timeout(BUDGET_S + 60)

@@ -1,4 +1,4 @@
-"""Processes for the suites that run in a trainer's own venv (`tests/rl/verl`, `tests/swift`).
+"""Processes for the suites that run in a trainer's own venv (`tests/rl/verl`, `tests/ms_swift`).
 
 Each process starts in a session of its own and is stopped by its process group's id, so a launcher
 (torchrun, `swift sft`) takes its children with it; every wait has a deadline, and a failure carries

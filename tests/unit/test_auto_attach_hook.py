@@ -241,6 +241,6 @@ def test_attach_puts_yeto_before_the_loggers(monkeypatch: pytest.MonkeyPatch, tm
     callback = attach(trainer, syncer="127.0.0.1:9", key="k" * 32)
     assert isinstance(callback, YetoDiLoCo) and trainer.callback_handler.callbacks[0] is callback
     # As on a follower rank of a running island after a few rounds: counters, no learner stats.
-    callback.island = SimpleNamespace(stats=IslandStats(steps=8, pushes=3, installs=5))  # type: ignore[assignment]
+    callback.island = SimpleNamespace(stats=IslandStats(steps=8, pushes=3, installs=5), final=False)  # type: ignore[assignment]
     trainer.callback_handler.on_log(args, trainer.state, trainer.control, {"loss": 1.0})
     assert seen and seen[-1]["yeto_pushes"] == 3 and seen[-1]["yeto_installs"] == 5

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from yeto_plugins.hf.callback import synced_parameters  # noqa: E402
+from yeto_plugins.torch_dist.modules import synced_parameters  # noqa: E402
 
 
 def tiny_llama() -> torch.nn.Module:

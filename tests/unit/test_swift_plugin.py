@@ -6,7 +6,7 @@ CPU machine): these tests drive the plugin through stand-ins that copy swift's c
 appended `print`, `default_flow`; `state.iteration += 1` then `on_step_end`, then the save
 decision; the LR scheduler advanced by `global_batch_size` only on a successful update.
 The plugin against swift's own callback files (they load without TransformerEngine once
-`swift/megatron/utils/__init__.py` is kept from running) is tests/swift/test_megatron_callbacks.py, in .venv-swift.
+`swift/megatron/utils/__init__.py` is kept from running) is tests/ms_swift/test_megatron_callbacks.py, in .venv-swift.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 from typing import Any
 
-from yeto_plugins.hf.callback import YetoDiLoCo, embedding_names
+from yeto_plugins.hf.callback import YetoDiLoCo
+from yeto_plugins.torch_dist.modules import embedding_names
 
 __all__ = ["YetoDiLoCo", "attach", "embedding_names"]
 

@@ -22,7 +22,6 @@ weights.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -31,11 +30,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
+from yeto_plugins.builder import build_island
 from yeto_plugins.hf.consensus import consensus_logs
-from yeto_plugins.torch_dist.modules import embedding_names, logit_probe, synced_parameters
-from yeto_plugins.torch_dist.store import ProcessGroupStore
-
-log = logging.getLogger("yeto.hf")
 
 
 class YetoDiLoCo(TrainerCallback):
@@ -64,17 +60,10 @@ class YetoDiLoCo(TrainerCallback):
             # The syncer weights islands by trained tokens; padding is not training. The Trainer
             # sums the count over an island's processes, so every rank sees the island's total.
             args.include_num_input_tokens_seen = "non_padding"
-        named = synced_parameters(model, self.settings.tuning)
         self._tokens_seen = int(state.num_input_tokens_seen)
-        probe = logit_probe(model, self.settings.consensus_tokens) if self.settings.consensus_every else None
-        s = self.settings
         on_final = "training stops and the Trainer saves it" if args.save_strategy != "no" else "training stops"
-        if args.world_size > 1:  # DDP, FSDP2 or ZeRO: rank 0 talks to the syncer, the others follow
-            store = ProcessGroupStore(named, embedding_names(model), s.island)
-            self.island = IslandSession(s, store=store, probe=probe, on_final=on_final)
-        else:
-            self.island = IslandSession(s, named, embedding_names=embedding_names(model), probe=probe,
-                                        on_final=on_final)
+        # DDP, FSDP2 or ZeRO (world_size > 1): the island is every process of the Trainer
+        self.island = build_island(self.settings, model, collective=args.world_size > 1, on_final=on_final)
         self.island.start(first_step=state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

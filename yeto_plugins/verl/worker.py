@@ -43,8 +43,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from yeto_core.island import IslandSession
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
-from yeto_plugins.torch_dist.modules import embedding_names, logit_probe, synced_parameters
-from yeto_plugins.torch_dist.store import ProcessGroupStore
+from yeto_plugins.builder import build_island
 
 log = logging.getLogger("yeto.verl")
 
@@ -137,20 +136,15 @@ class YetoTrainingWorker(TrainingWorker):
         assert settings is not None
         engine = self.engine
         if is_megatron(engine):  # verl's Megatron engine: the same core as ms-swift's (GPU only)
-            from yeto_plugins.megatron.sync import MegatronDiLoCoSync
-
-            island = MegatronDiLoCoSync(engine.module, engine.optimizer, settings, on_final=ON_FINAL).island
+            island = build_island(settings, engine.module, optimizer=engine.optimizer, on_final=ON_FINAL)
         else:
             strategy = getattr(self.engine_config, "strategy", None)
             if strategy != "fsdp2":
                 raise SettingsError(f"yeto's verl worker reads and writes FSDP2 (DTensor) or Megatron parameters; "
                                     f"this actor runs strategy {strategy!r}: set actor_rollout_ref.actor.strategy="
                                     "fsdp2")
-            module = engine.module
-            named = synced_parameters(module, settings.tuning)
-            store = ProcessGroupStore(named, embedding_names(module), settings.island)
-            probe = logit_probe(module, settings.consensus_tokens) if settings.consensus_every else None
-            island = IslandSession(settings, store=store, probe=probe, on_final=ON_FINAL)
+            # FSDP2 shards are DTensors: always the collective store, even for an island of one rank
+            island = build_island(settings, engine.module, collective=True, on_final=ON_FINAL)
         total = self.optimizer_config.total_training_steps
         if total is None or total <= 0:
             log.warning("yeto: verl set no total_training_steps: the island gets the final cut only when the syncer "

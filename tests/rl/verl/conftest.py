@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "harness"))  # runs.py, shared with tests/swift
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "harness"))  # runs.py, shared with tests/ms_swift
 
 
 @pytest.fixture(autouse=True, scope="session")
