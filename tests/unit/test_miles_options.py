@@ -39,3 +39,14 @@ def test_no_multi_lora_is_no_refusal() -> None:
     from yeto_plugins.miles.hook import refuse_unaccounted
 
     refuse_unaccounted(SimpleNamespace(**ARGS, multi_lora_n_adapters=0, use_dynamic_global_batch_size=False))
+
+
+def test_a_hooked_actor_without_the_settings_stops_naming_the_variable_and_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in [n for n in os.environ if n.startswith("YETO_")]:
+        monkeypatch.delenv(name)
+    with pytest.raises(SettingsError, match="YETO_DILOCO_SYNCER is required") as err:
+        MilesIsland(SimpleNamespace(**ARGS), model=[], optimizer=None)
+    assert "--train-env-vars" in str(err.value) and "\n" not in str(err.value)

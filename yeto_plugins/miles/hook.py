@@ -94,7 +94,11 @@ class MilesIsland:
                  settings: LearnerSettings | None = None) -> None:
         refuse_unaccounted(args)
         self.args = args
-        self.settings = settings if settings is not None else load_settings(LearnerSettings)
+        try:
+            self.settings = settings if settings is not None else load_settings(LearnerSettings)
+        except SettingsError as exc:  # the hook is named, so this actor is meant to be an island: never alone
+            raise SettingsError(f"{exc} (a Miles training actor sees only the variables of --train-env-vars: put "
+                                "the YETO_DILOCO_* settings there)") from None
         self.sync = MegatronDiLoCoSync(list(model), optimizer, self.settings,
                                        on_final="later steps leave the weights as they are")
         self.at: tuple[int, int] = (0, 0)  # (rollout_id, step_id) of the step under way
