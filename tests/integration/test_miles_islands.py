@@ -9,7 +9,9 @@ the next training pass restores the parameters from it, so an install the backup
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -216,3 +218,47 @@ def test_overlap_counts_every_step_once_and_a_syncer_restart_changes_no_bit(
         differ = {r: {"undisturbed": rounds.get(r), "here": mine[r]} for r in mine if mine[r] != rounds.get(r)}
         tails = "\n".join(s.proc.tail() for s in syncers)
         pytest.fail(f"the final weights differ from the undisturbed run's; rounds that differ: {differ}\n{tails}")
+
+
+# -- an island killed and resumed from Miles' checkpoint --------------------------------------------------------
+@pytest.mark.timeout(420)
+def test_a_killed_miles_island_resumed_from_its_checkpoint_rejoins_the_present(procs: Procs, key_file: Path,
+                                                                               tmp_path: Path) -> None:
+    """One sweeping island (quorum 1, so only its sweeps move the run): it saves its checkpoint after rollout 0,
+    sweeps rollout 1 into the run and is SIGKILLed, every rank. Resumed from that checkpoint (loaded before any
+    training, as Miles' actor init loads `--load`, from `start_rollout_id` 1), its join installs the run's
+    present, rollout 1's global weights, over the checkpoint's, and its last rollout ends on the final cut."""
+    syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=2,
+                          extra=["--sync-interval-steps", "0", "--pipeline", "2"])
+    env = {**ENV, "YETO_DILOCO_SYNCER": syncer.address, "YETO_DILOCO_KEY_FILE": str(key_file),
+           "YETO_DILOCO_LEARNER_ID": "0", "YETO_DILOCO_RL_MODE": "sweep"}
+    argv = ["sweep", json.dumps(TP2), str(ROLLOUTS), str(STEPS)]
+    pids: list[int] = []
+    failure: list[BaseException] = []
+
+    def doomed() -> None:
+        try:
+            run_ranks(WORKER, 2, args=[*argv, f"save={tmp_path}", "save_at=1", "hang=2"], env=env, timeout_s=300,
+                      started=pids.extend)
+        except AssertionError as exc:  # its ranks were killed: expected
+            failure.append(exc)
+
+    first = threading.Thread(target=doomed, daemon=True)
+    first.start()
+    killed = [tmp_path / f"killed-rank{rank}.json" for rank in (0, 1)]
+    wait_until(lambda: all(path.exists() for path in killed), 200, "the island's second rollout")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    first.join(60)
+    assert not first.is_alive() and failure, "the killed island's ranks did not end"
+
+    resumed = results(run_ranks(WORKER, 2, args=[*argv, f"resume={tmp_path}", "start=1"], env=env, timeout_s=240))
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    assert syncer.checkpoint is not None
+    check_final([resumed], syncer.checkpoint)
+    before = json.loads(killed[0].read_text())
+    for rank in resumed:
+        assert rank["joined_digest"] == before[1]["digest"], f"rank {rank['rank']} did not take the run's present"
+        assert rank["joined_digest"] != before[0]["digest"]  # what its checkpoint held
+        assert [r["rollout"] for r in rank["per_rollout"]] == [1, 2]
+    assert [r["learner"] for r in syncer.tape_records() if r["event"] == "join"] == [0, 0]

@@ -17,9 +17,10 @@ so these are its steps, in its order, from radixark/miles at 31f1ca9:
   batch (``:628``);
 * `MilesActor.update_weights`: the colocated ``UpdateWeightFromTensor`` (``update_weight_from_tensor.py:263``)
   sends what the ``"actor"`` backup holds, not the live model; the "engine" here keeps a copy of it;
-* `run_driver`: ``train.py:95-132`` per rollout: generate (the island's deterministic batches
-  stand in for rollout data), ``train``, then ``update_weights``; a `between` callable runs where
-  ``python -m yeto_plugins.miles.train`` puts the sweep, at the end of ``RayTrainGroup.train``.
+* `run_driver`: ``train.py:95-132`` per rollout from ``args.start_rollout_id`` (a resumed run's,
+  else 0): generate (the island's deterministic batches stand in for rollout data), ``train``, then
+  ``update_weights``; a `between` callable runs where ``python -m yeto_plugins.miles.train`` puts
+  the sweep, at the end of ``RayTrainGroup.train``.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def run_driver(actor: MilesActor, steps_per_rollout: int,
                between: Callable[[int], None] = lambda rollout_id: None,
                after: Callable[[int], None] = lambda rollout_id: None) -> None:
     actor.update_weights()  # train.py:52, before the loop
-    for rollout_id in range(actor.args.num_rollout):
+    for rollout_id in range(actor.args.start_rollout_id or 0, actor.args.num_rollout):
         actor.train(rollout_id, steps_per_rollout)
         between(rollout_id)
         actor.update_weights()
