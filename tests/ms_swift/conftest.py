@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))  # runs.py, shared with tests/rl/verl
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))  # trainer_processes.py
 
 import swift  # noqa: F401  (not installed: this suite belongs in .venv-swift)
 

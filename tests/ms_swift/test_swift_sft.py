@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_swift_model import write_shards
-
-from runs import Run, island_env, start, start_syncer, stopped_at_exit
+from trainer_processes import Run, island_env, start, start_syncer, stopped_at_exit
 
 ISLANDS = 2
 ROUNDS = 6

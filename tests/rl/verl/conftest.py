@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "harness"))  # runs.py, shared with tests/ms_swift
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "harness"))  # trainer_processes.py
 
 
 @pytest.fixture(autouse=True, scope="session")
