@@ -44,10 +44,10 @@ key = work / "yeto.key"
 key.write_text(secrets.token_hex(32)); key.chmod(0o600)
 tape = work / "tape.jsonl"
 
-def started(argv, log, env):
+def started(argv, log, env):  # in the work directory: hydra writes its outputs/ where main_ppo runs
     with open(log, "wb") as sink:
-        return subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(argv, env=env, cwd=work, stdout=sink, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
 
 base = {k: v for k, v in os.environ.items() if not k.startswith(("YETO_", "RAY_"))}
 syncer = started([sys.executable, "-m", "syncer", "--host", "127.0.0.1", "--port", "0", "--learners", "1",
@@ -74,7 +74,8 @@ argv = [sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=
         "trainer.total_epochs=1", "trainer.val_before_train=False", f"trainer.default_local_dir={work / 'ckpt'}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "+ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
-        "+ray_kwargs.ray_init.include_dashboard=False", f"+ray_kwargs.ray_init._temp_dir={ray_dir}"]
+        "+ray_kwargs.ray_init.include_dashboard=False", f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
+        f"hydra.run.dir={work / 'hydra'}"]
 env = {**base, "PYTHONPATH": str(here), "VERL_USE_EXTERNAL_MODULES": "cpu_platform,cpu_rollout",
        "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "RAY_DISABLE_USAGE_STATS": "1",
        "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -117,6 +118,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                            sys.executable, SCENARIO, str(HERE), str(work)], cwd=REPOSITORY, env=env,
                           capture_output=True, text=True, timeout=280, start_new_session=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert not (REPOSITORY / "outputs").exists(), "main_ppo wrote hydra's outputs/ into the repository"
     report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     return report
 
