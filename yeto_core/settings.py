@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yeto_core import faults
@@ -36,6 +36,16 @@ MAX_LEARNERS = 4096
 MAX_STEPS = 1_000_000  # an interval in learner steps (H), or an every-N count of rounds
 MAX_ROUNDS = 2**31 - 1
 MAX_MBPS = 1e9  # 1 Pb/s: a probe floor above any link there is
+# The end of a run, one rule for both sides (DESIGN §4.7): a learner waits for the final cut longer
+# than the syncer may take to serve it once every learner is done, so it never gives up on a syncer
+# still within its deadlines. From the last DONE the syncer may wait up to REJOIN_WAIT_S for a
+# learner that left while training, write its final checkpoint (FINAL_CHECKPOINT_S allowed), then
+# hold the cut open FINAL_HOLD_S. A learner's DONE may come half its own wait late (it settles its
+# last pushes first, DESIGN §3.7), so it waits twice that sum: 2 × (60 + 30 + 60) = 300 s.
+FINAL_HOLD_S = 60.0  # the syncer's --final-timeout-s
+REJOIN_WAIT_S = 60.0  # the syncer's --rejoin-wait-s
+FINAL_CHECKPOINT_S = 30.0
+FINAL_WAIT_S = 2 * (REJOIN_WAIT_S + FINAL_CHECKPOINT_S + FINAL_HOLD_S)  # the learners' YETO_DILOCO_FINAL_TIMEOUT_S
 
 
 class SettingsError(ValueError):
@@ -156,7 +166,8 @@ class LearnerSettings(BaseSettings):
     data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
     connect_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of one dial + handshake")
     init_timeout_s: float = Field(default=600.0, ge=0, le=WEEK_S, description="wait for the initial cut at start")
-    final_timeout_s: float = Field(default=300.0, ge=0, le=WEEK_S, description="wait for the final cut at the end")
+    final_timeout_s: float = Field(default=FINAL_WAIT_S, ge=0, le=WEEK_S, description="wait for the final cut at "
+                                   "the end: at least 2 × (the syncer's --rejoin-wait-s + 30 s + --final-timeout-s)")
     heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control stream")
     peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
     reconnect_max_s: float = Field(default=30.0, gt=0, le=HOUR_S, description="cap of the redial backoff")
@@ -215,6 +226,7 @@ class LearnerSettings(BaseSettings):
     fault: str = fault_field("YETO_DILOCO_")
 
     _fault = field_validator("fault")(check_fault)
+    _key: bytes | None = PrivateAttr(default=None)  # the key as first read (`read_key`)
 
     @field_validator("blocking")
     @classmethod
@@ -251,7 +263,11 @@ class LearnerSettings(BaseSettings):
         return parse_address(self.syncer)
 
     def read_key(self) -> bytes:
-        return read_key(self.key, self.key_file, prefix="YETO_DILOCO_")
+        """The key, read once: the one a plugin checks at start-up is the one the session's link proves,
+        even if the key file changes or goes away in between."""
+        if self._key is None:
+            self._key = read_key(self.key, self.key_file, prefix="YETO_DILOCO_")
+        return self._key
 
     @property
     def link(self) -> LinkSettings:
@@ -367,8 +383,9 @@ class SyncerSettings(BaseSettings):
     carry_answers_round: bool = Field(default=False, description="count carried pushes toward the quorum of the "
                                       "round they join")
     init_timeout_s: float = Field(default=600.0, gt=0, le=WEEK_S, description="exit when no INIT arrives by then")
-    final_timeout_s: float = Field(default=60.0, gt=0, le=WEEK_S, description="wait for learners to take the final cut")
-    rejoin_wait_s: float = Field(default=60.0, ge=0, le=DAY_S, description="once every connected learner has "
+    final_timeout_s: float = Field(default=FINAL_HOLD_S, gt=0, le=WEEK_S, description="wait for learners to take "
+                                   "the final cut; the learners wait for it longer (YETO_DILOCO_FINAL_TIMEOUT_S)")
+    rejoin_wait_s: float = Field(default=REJOIN_WAIT_S, ge=0, le=DAY_S, description="once every connected learner has "
                                  "finished, wait this long after one left while training (a crash, a cut link) "
                                  "for it to come back before finalizing without it (0: do not wait)")
     heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control streams")
@@ -389,6 +406,7 @@ class SyncerSettings(BaseSettings):
                                                            "(rr) or to the data stream with the earliest estimated "
                                                            "finish (adaptive)")
     fault: str = fault_field("YETO_SYNCER_")
+    _key: bytes | None = PrivateAttr(default=None)  # the key as first read (`read_key`)
 
     # Former names, still read from the environment and from keyword arguments (flags), with
     # a warning: settings once in other units are now in seconds like every other duration.
@@ -435,9 +453,12 @@ class SyncerSettings(BaseSettings):
         return self.quorum or default_quorum(self.learners)
 
     def read_key(self, *, key_file_flag: bool = False) -> bytes:
-        """`key_file_flag`: the file came from `--key-file`, and errors say so."""
-        return read_key(self.key, self.key_file, prefix="YETO_SYNCER_",
-                        key_file_name="--key-file" if key_file_flag else None)
+        """The key, read once, as the learners' is. `key_file_flag`: the file came from `--key-file`,
+        and errors say so."""
+        if self._key is None:
+            self._key = read_key(self.key, self.key_file, prefix="YETO_SYNCER_",
+                                 key_file_name="--key-file" if key_file_flag else None)
+        return self._key
 
     @property
     def merging(self) -> MergeSettings:

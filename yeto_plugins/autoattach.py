@@ -14,10 +14,9 @@ never imported early) and then wraps two `Trainer` methods:
 - `add_callback`: a `YetoDiLoCo` the script adds itself replaces the automatic one, as explicit
   arguments win over the environment.
 
-Without the variable but with `YETO_DILOCO_SYNCER` set, the same line installs a watcher only:
-nothing is attached, and the first `Trainer.train()` of a Trainer without a `YetoDiLoCo` says once,
-at WARNING, that this process trains alone (the settings were meant for a callback that nobody
-added).
+Nothing else arms the line: the other `YETO_DILOCO_*` variables (the syncer's address, say) import
+nothing, so a Trainer without a `YetoDiLoCo` then trains alone, unwarned (the README says so). A
+warning would cost every process that inherits those settings an import of yeto at start-up.
 
 At start-up this module imports only `weakref` (the hook runs in every process that has the
 variable, dataloader workers included); yeto's callback, and with it torch, is imported when the
@@ -38,13 +37,12 @@ if TYPE_CHECKING:
     from typing import Any
 
 ENV = "YETO_DILOCO_AUTO_ATTACH"
-SYNCER_ENV = "YETO_DILOCO_SYNCER"
 TARGET = "transformers.trainer"
 # pydantic's false strings (any case); empty counts as unset. Any other value turns the hook on,
 # and one that pydantic refuses then fails the Trainer's construction with a message naming ENV.
 OFF = ("", "0", "f", "false", "n", "no", "off")
 PTH_NAME = "yeto-autoattach.pth"
-PTH_LINE = (f"import os; (os.environ.get({ENV!r}, '').lower() not in {OFF!r} or os.environ.get({SYNCER_ENV!r})) "
+PTH_LINE = (f"import os; os.environ.get({ENV!r}, '').lower() not in {OFF!r} "
             f"and __import__('yeto_plugins.autoattach', fromlist=['install']).install()\n")
 
 _automatic: weakref.WeakSet[Any] = weakref.WeakSet()  # callbacks this module attached
@@ -57,8 +55,7 @@ def requested(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def install() -> None:
-    """Attach to every HF Trainer built from now on (or, with `ENV` off, watch for one that trains
-    without the callback); calling it again changes nothing."""
+    """Attach to every HF Trainer built from now on; calling it again changes nothing."""
     module = sys.modules.get(TARGET)
     if module is not None:
         patch(module)
@@ -108,7 +105,7 @@ def patch(module: Any) -> None:
     import functools
 
     trainer_cls = module.Trainer
-    init, add, train = trainer_cls.__init__, trainer_cls.add_callback, trainer_cls.train
+    init, add = trainer_cls.__init__, trainer_cls.add_callback
     if getattr(init, _MARK, False):
         return
 
@@ -118,11 +115,6 @@ def patch(module: Any) -> None:
         if requested():
             attach(self)
 
-    @functools.wraps(train)
-    def train_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        warn_if_unattached(self)
-        return train(self, *args, **kwargs)
-
     @functools.wraps(add)
     def add_callback(self: Any, callback: Any) -> None:
         replace_automatic(self, callback)
@@ -131,31 +123,6 @@ def patch(module: Any) -> None:
     setattr(__init__, _MARK, True)
     trainer_cls.__init__ = __init__
     trainer_cls.add_callback = add_callback
-    trainer_cls.train = train_
-
-
-_warned = False
-
-
-def warn_if_unattached(trainer: Any, environ: Mapping[str, str] = os.environ) -> bool:
-    """Say once per process that a Trainer trains alone although `YETO_DILOCO_SYNCER` is set;
-    True when it said so now."""
-    global _warned
-    if _warned or not environ.get(SYNCER_ENV):
-        return False
-    callback_module = sys.modules.get("yeto_plugins.hf.callback")  # never imported: no YetoDiLoCo exists
-    cls = getattr(callback_module, "YetoDiLoCo", None)
-    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", ())
-    if cls is not None and any(isinstance(cb, cls) for cb in callbacks):
-        return False
-    _warned = True
-    import logging
-
-    logging.getLogger("yeto.hf").warning(
-        "%s=%s is set, but this %s has no YetoDiLoCo callback: it trains alone, joined to no syncer. Add "
-        "`trainer.add_callback(YetoDiLoCo())` or set %s=1", SYNCER_ENV, environ[SYNCER_ENV],
-        type(trainer).__name__, ENV)
-    return True
 
 
 def attach(trainer: Any) -> None:

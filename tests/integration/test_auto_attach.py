@@ -1,7 +1,7 @@
 """An unmodified HF script joins a run with only `YETO_DILOCO_AUTO_ATTACH=1` and the syncer's
 address in its environment (DESIGN §1.4), and ends with the final cut on disk when it relies on
-the Trainer's own saving. Without the variable it never imports yeto's callback; with only the
-syncer's address set it says once that it trains alone."""
+the Trainer's own saving. Without the variable it imports nothing of yeto, whatever other
+`YETO_DILOCO_*` variables are set."""
 
 from __future__ import annotations
 
@@ -96,9 +96,8 @@ def test_an_unmodified_hf_script_joins_with_only_the_environment(procs: Procs, k
 
 @pytest.mark.timeout(90)
 def test_without_the_variable_the_script_never_imports_yeto(procs: Procs, key_file: Path, tmp_path: Path) -> None:
-    # Nothing set: nothing of yeto is imported. The syncer's address and key set without the
-    # variable (or with it false): only the start-up watcher is, nothing attaches, and the script
-    # is told once that it trains alone.
+    # Nothing set, or the syncer's address and key without the variable (or with it false): nothing
+    # of yeto is imported, nothing attaches, and the script trains alone.
     nothing = base_env()
     unset = base_env({"YETO_DILOCO_SYNCER": "127.0.0.1:9", "YETO_DILOCO_KEY_FILE": str(key_file)})
     runs = [start_script(procs, tmp_path, "nothing", nothing, 3),
@@ -108,15 +107,9 @@ def test_without_the_variable_the_script_never_imports_yeto(procs: Procs, key_fi
     for proc in runs:
         done = done_line(proc)
         assert done["steps"] == 3, done
-        watched = proc.name != "nothing"
-        assert done["yeto_modules"] == (["yeto_plugins", "yeto_plugins.autoattach"] if watched else []), \
-            f"{proc.name}: {done['yeto_modules']}"
+        assert done["yeto_modules"] == [], f"{proc.name}: {done['yeto_modules']}"
         assert "YetoDiLoCo" not in done["callbacks"], done
         assert proc.output_dir is not None and (proc.output_dir / "model.safetensors").exists()
-        said = [line for line in proc.stderr().splitlines() if "trains alone" in line]
-        assert len(said) == (1 if watched else 0), proc.tail()
-        if watched:
-            assert "YETO_DILOCO_SYNCER=127.0.0.1:9 is set, but this Trainer has no YetoDiLoCo callback" in said[0]
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from yeto_core.settings import (
+    FINAL_CHECKPOINT_S,
     IsoWorkerSettings,
     LearnerSettings,
     SettingsError,
@@ -72,6 +73,21 @@ def test_key_sources(tmp_path: Path) -> None:
         load_settings(LearnerSettings, syncer="h:1", key="short").read_key()
     with pytest.raises(SettingsError, match="cannot read the key file"):
         load_settings(LearnerSettings, syncer="h:1", key_file=tmp_path / "missing").read_key()
+
+
+@pytest.mark.parametrize("change", ["overwritten", "removed"])
+def test_the_key_file_is_read_once(change: str, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("k" * 32)
+    learner = load_settings(LearnerSettings, syncer="h:1", key_file=key_file)
+    syncer = load_settings(SyncerSettings, key_file=key_file)
+    assert learner.read_key() == syncer.read_key() == b"k" * 32
+    if change == "overwritten":
+        key_file.write_text("x" * 32)
+    else:
+        key_file.unlink()
+    assert learner.read_key() == syncer.read_key() == b"k" * 32
+    assert learner.link.key == b"k" * 32
 
 
 def test_syncer_quorum_cannot_exceed_learners(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,6 +180,15 @@ def test_each_section_carries_its_settings_and_their_defaults_do_not_drift() -> 
     assert (tuned.link.data_streams, tuned.link.stall_timeout_s, tuned.link.stream_schedule) == (4, 9.0, "adaptive")
     assert tuned.island.heartbeat_s == 2.0 and tuned.consensus.every == 0
     assert SyncerSettings(outer_lr=0.3, merge="average").merging.outer_lr == 0.3
+
+
+def test_a_learners_final_wait_outlasts_the_syncers_finalization() -> None:
+    # DESIGN §4.7: from the last DONE, the rejoin wait, the final checkpoint and the hold of the cut,
+    # all within the second half of the learner's wait (the first may go to settling its pushes).
+    learner = LearnerSettings(syncer="h:1", key="k" * 32)
+    syncer = SyncerSettings()
+    assert (learner.final_timeout_s, syncer.rejoin_wait_s, syncer.final_timeout_s) == (300, 60, 60)  # the README's
+    assert learner.final_timeout_s / 2 >= syncer.rejoin_wait_s + FINAL_CHECKPOINT_S + syncer.final_timeout_s
 
 
 def numeric_fields(cls: type) -> list[tuple[str, str]]:
