@@ -31,7 +31,7 @@ import queue
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -89,10 +89,12 @@ class Coordinator:
         faults: FaultInjector = NO_FAULTS,
         observer: ShellObserver | None = None,
         iso: IsoPool | None = None,
+        executor: Callable[[int, str], Executor] = ThreadPoolExecutor,
     ) -> None:
         # `faults` is built once from the settings by the caller (`cli.main`); `observer` (the
         # metrics) hears of the bytes on the wire and the broadcasts' durations; `iso` (the caller
-        # starts and closes it) runs the SVDs of `--merge iso` in worker processes.
+        # starts and closes it) runs the SVDs of `--merge iso` in worker processes. `executor(workers,
+        # name)` makes the decode and prepare pools (the simulation's runs their work inline).
         self.settings = settings
         self.observer = observer
         self.clock = clock
@@ -111,9 +113,9 @@ class Coordinator:
         self.iso = iso
         if iso is not None:
             iso.abandon_on(self.stopping)
-        self._decoders = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="syncer-decode")
+        self._decoders = executor(settings.decode_threads, "syncer-decode")
         # The heavy halves of merges run ahead here (`effects.Prepare`): one thread per round in flight.
-        self._preparers = ThreadPoolExecutor(max_workers=settings.pipeline, thread_name_prefix="syncer-prepare")
+        self._preparers = executor(settings.pipeline, "syncer-prepare")
         self._prepared: dict[int, tuple[int, Future[PreparedMerge]]] = {}  # attempt -> (round, its heavy half)
         self._merge_started = 0.0
 
@@ -295,11 +297,11 @@ class Coordinator:
                 self._prepare(effect)
             elif isinstance(effect, Merge):
                 if committing is not None:
-                    back.append(Synced(committing, time.perf_counter() - self._merge_started))
+                    back.append(Synced(committing, self.clock() - self._merge_started))
                     committing = None
                 back.append(self._merge(effect))
         if committing is not None:
-            back.append(Synced(committing, time.perf_counter() - self._merge_started))
+            back.append(Synced(committing, self.clock() - self._merge_started))
         if broadcasts and self.observer is not None:
             BroadcastTimer(broadcasts, self.observer.broadcast_done)
         return back
@@ -371,7 +373,7 @@ class Coordinator:
         future.add_done_callback(lambda _: self.post(Prepared(effect.round, effect.attempt)))
 
     def _merge(self, effect: Merge) -> Merged:
-        self._merge_started = time.perf_counter()
+        self._merge_started = self.clock()  # ξ_sync is a decision's input: the injected clock's
         state = self.protocol.state
         assert state is not None
         f = effect.fragment

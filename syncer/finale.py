@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-from syncer.checkpoint import tokens_by_learner
 from syncer.effects import Checkpoint, FaultPoint, Log
 from syncer.links import Link, Phase
 from syncer.outbox import Outbox
@@ -37,15 +36,14 @@ class Finale:
             self.expected.discard(link.learner_id)
 
     def note_departure(self, link: Link) -> None:
-        """A learner's connection ended: whom a finalizing syncer still waits for."""
-        state = self.shared.state
-        if link.final_sent:
-            link.acked = True  # whether it installed the cut is its own business now
-            self.acked.add(link.learner_id)
-        elif not link.said_bye and state is not None and link.learner_id in tokens_by_learner(state.ledger):
-            # It trained for this run and may come back (a crash, a stall, a cut link): a
-            # finalizing syncer waits for it, until the deadline, so it still gets the cut.
-            self.expected.add(link.learner_id)
+        """A learner's connection ended: whom a finalizing syncer still waits for. Only its goodbye
+        says it has the final cut: a FINAL handed to a connection that then died may never have
+        arrived, so such a learner is expected back like one that never got it."""
+        if link.said_bye or self.shared.state is None:
+            return
+        # It trained on this run's model (merged or not yet) and may come back (a crash, a stall,
+        # a cut link): a finalizing syncer waits for it, until the deadline, so it still gets the cut.
+        self.expected.add(link.learner_id)
 
     def wait_over(self, now: float) -> bool:
         unacked = {lid for lid, link in self.shared.links.items() if not link.acked}

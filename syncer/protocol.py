@@ -73,6 +73,8 @@ from yeto_core.wire.messages import (
     Push,
 )
 
+MEMBERS = "members"  # state.extra: the learners that trained on the model, for a resumed syncer
+
 log = logging.getLogger("yeto.syncer")
 
 INIT_EXIT_CODE = 3  # no complete INIT from learner 0 in time
@@ -125,10 +127,16 @@ class SyncerProtocol:
             self.shared.state = state
             self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
             self.shared.phase = Phase.RUNNING
+            trained = set(tokens_by_learner(state.ledger)) | set(state.extra.get(MEMBERS, []))
+            # Every learner in the ledger trained for this run and lost its link with the syncer that
+            # stopped: like one that left while training, it is waited for (`--rejoin-wait-s`), and a
+            # finalizing syncer expects it until its final timeout, so it still gets the final cut.
+            self.finale.expected = trained
             if state.finalized:
-                self.finale.expected = set(tokens_by_learner(state.ledger))
                 # Its effects (the final cut to nobody yet) are returned by the first turn.
                 self.finale.begin("the resumed checkpoint is already final", save=False)
+            else:
+                self.shared.away.update(dict.fromkeys(trained, now))
 
     # -- the run as others see it (read-only) ---------------------------------------------------
     @property
@@ -233,6 +241,7 @@ class SyncerProtocol:
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(run.links))
         run.record({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
         if run.phase is Phase.RUNNING:
+            self._member(ev.learner_id)
             run.emit(StallTimeout(link.peer, self.settings.wan_stall_timeout_s))
             self.outbox.send_full_state(link)
             if link.consensus and run.consensus is not None and run.state is not None:
@@ -302,8 +311,9 @@ class SyncerProtocol:
                 log.info("learner %d finished training at its step %d", link.learner_id, msg.step)
                 self.shared.record({"event": "done", "learner": link.learner_id, "step": msg.step})
         elif isinstance(msg, Bye):
+            if not link.said_bye:  # a learner says it once the final cut is in, and again as it closes
+                log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
             self.finale.on_bye(link)
-            log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
         elif isinstance(msg, ProbeReport):
             self._on_probe_report(link, msg)
         elif isinstance(msg, Error):
@@ -348,10 +358,22 @@ class SyncerProtocol:
         else:
             run.emit(FaultPoint("mid-init"))
 
+    def _member(self, learner_id: int) -> None:
+        """`learner_id` trains on this run's model: a resumed syncer waits for it too (the next
+        checkpoint keeps the list)."""
+        state = self.shared.state
+        assert state is not None
+        members: list[int] = state.extra.setdefault(MEMBERS, [])
+        if learner_id not in members:
+            members.append(learner_id)
+            members.sort()
+
     def _initial_cut(self) -> None:
         run = self.shared
         assert run.state is not None
         run.phase = Phase.RUNNING
+        for lid in run.links:
+            self._member(lid)
         run.emit(Checkpoint())
         run.record({"event": "init", "fragments": run.state.num_fragments, "fingerprint": run.state.fingerprint.hex()})
         run.emit(Log(f"initial cut ready: broadcasting {run.state.num_fragments} fragments to {len(run.links)} "

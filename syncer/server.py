@@ -23,15 +23,13 @@ from typing import Any
 
 from syncer.events import Connected, Got, Joined, Left
 from syncer.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, BurstLog, HandshakeGate, Unauthenticated
-from syncer.links import layout_mismatch
-from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
+from syncer.handshake import HandshakeRefused, check_hello
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
 from yeto_core.probe import probe_authentic, serve_probe
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
 from yeto_core.wire.messages import (
-    CHUNK_BYTES,
     HELLO_SENDS_MANIFEST,
     Attach,
     BwProbe,
@@ -45,7 +43,6 @@ from yeto_core.wire.transport import ConnectionGroup, Screen, Stream, tune_socke
 
 log = logging.getLogger("yeto.syncer.server")
 
-MAX_PUSH_BLOCK = 1 << 20
 MAX_PROBES = 64
 PROBE_TIMEOUT_S = 300.0
 HOUSEKEEPING_S = 0.25  # how often the accept loop cuts late handshakes and expires pending groups
@@ -61,13 +58,6 @@ class _Pending:
     manifest: Manifest | None = None
     bound: int = 0  # transfer bound implied by the manifest (learner 0 before the initial cut)
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)  # control handshake done
-
-
-class HandshakeRefused(Exception):
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 class SyncerServer:
@@ -264,29 +254,8 @@ class SyncerServer:
                 self._probes -= 1
 
     def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello, entry: Unauthenticated) -> None:
-        who = f"learner {hello.learner_id} ({stream.name})"
-        if not auth.verify(self._key, hello.mac, auth.HELLO_LABEL, nonce, hello.signed_part()):
-            raise HandshakeRefused(ErrorCode.AUTH, f"HMAC check failed for {who}: it does not hold the syncer's key")
-        if hello.chunk_bytes != CHUNK_BYTES:
-            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} uses {hello.chunk_bytes}-byte chunks; "
-                                   f"this syncer uses {CHUNK_BYTES}")
-        if hello.wire_dtype not in WIRE_CODEC_NAMES:
-            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for unknown wire dtype {hello.wire_dtype}")
-        quantized = WIRE_CODEC_NAMES[hello.wire_dtype] not in CODECS
-        if quantized and not 1 <= hello.push_block <= MAX_PUSH_BLOCK:
-            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for push block size {hello.push_block} "
-                                   f"(1..{MAX_PUSH_BLOCK})")
-        if not 1 <= hello.data_streams <= 64:
-            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for {hello.data_streams} data streams (1..64)")
-        unfit = self._schedule_problem(hello.flags)
-        if unfit is not None:
-            raise HandshakeRefused(ErrorCode.CONTRACT, f"{who}: {unfit}")
-        pinned = self._pinned()
-        if pinned is not None and pinned != hello.fingerprint:
-            raise HandshakeRefused(ErrorCode.LAYOUT, layout_mismatch(hello.learner_id, hello.fingerprint, pinned))
-        conflict = self._id_conflict(hello.learner_id, hello.instance)
-        if conflict is not None:
-            raise HandshakeRefused(ErrorCode.DUPLICATE, conflict)
+        check_hello(hello, key=self._key, nonce=nonce, who=f"learner {hello.learner_id} ({stream.name})",
+                    pinned=self._pinned(), schedule_problem=self._schedule_problem, id_conflict=self._id_conflict)
         with self._lock:
             generation = self._generations.get(hello.learner_id, 0) + 1
             self._generations[hello.learner_id] = generation

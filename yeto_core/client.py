@@ -69,6 +69,20 @@ log = logging.getLogger("yeto.client")
 MAX_DOWNLINK_MARGIN = 1 << 20
 
 
+def hello_for(link: LinkSettings, layout: Layout, codec: Codec, *, sends_init: bool, instance: bytes,
+              challenge_nonce: bytes, client_nonce: bytes) -> Hello:
+    """The signed HELLO answering a CHALLENGE: who this learner is and its session contract."""
+    # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
+    # syncer without state can build the layout and bound every transfer before any bulk byte.
+    flags = (HELLO_SENDS_MANIFEST if sends_init else 0) | (HELLO_BCAST_DELTA if link.bcast_delta else 0)
+    flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if link.overlap else 0)
+    flags |= SWEEP_FLAGS[link.rl_mode]
+    block = int(getattr(codec, "block", 0))  # the quantized codecs' block size is contract too
+    hello = Hello(link.learner_id, link.data_streams, layout.fingerprint, codec.wire_id, CHUNK_BYTES, flags,
+                  client_nonce, push_block=block, instance=instance)
+    return dataclasses.replace(hello, mac=auth.sign(link.key, auth.HELLO_LABEL, challenge_nonce, hello.signed_part()))
+
+
 class SyncerClient:
     def __init__(self, link: LinkSettings, *, codec: Codec = F32, sends_init: bool = False,
                  faults: FaultInjector = NO_FAULTS) -> None:
@@ -217,17 +231,9 @@ class SyncerClient:
             layout = self._layout_for(challenge.num_fragments, challenge.pattern)
             self.layout = layout
             client_nonce = auth.new_nonce()
-            # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
-            # syncer without state can build the layout and bound every transfer before any bulk byte.
             sends_manifest = self._sends_init
-            flags = (HELLO_SENDS_MANIFEST if sends_manifest else 0) | (HELLO_BCAST_DELTA if self.bcast_delta else 0)
-            flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if self.link.overlap else 0)
-            flags |= SWEEP_FLAGS[self.link.rl_mode]
-            block = int(getattr(self.codec, "block", 0))  # the quantized codecs' block size is contract too
-            hello = Hello(self.learner_id, self.link.data_streams, layout.fingerprint, self.codec.wire_id, CHUNK_BYTES,
-                          flags, client_nonce, push_block=block, instance=self.instance)
-            hello = dataclasses.replace(hello, mac=auth.sign(self.link.key, auth.HELLO_LABEL, challenge.nonce,
-                                                              hello.signed_part()))
+            hello = hello_for(self.link, layout, self.codec, sends_init=sends_manifest, instance=self.instance,
+                              challenge_nonce=challenge.nonce, client_nonce=client_nonce)
             control.send_frame(hello)
             welcome = self._expect(control, Welcome)
             if not auth.verify(self.link.key, welcome.mac, auth.WELCOME_LABEL, client_nonce, welcome.token,

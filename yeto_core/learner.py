@@ -61,6 +61,8 @@ from yeto_core.wire.messages import Bye, Consensus, Done, Pull
 
 log = logging.getLogger("yeto.learner")
 
+FINAL_INSTALLED = "final cut installed"  # the goodbye that tells the syncer the final cut arrived
+
 __all__ = ["FragmentState", "LearnerSession", "LearnerStats"]
 
 
@@ -341,6 +343,9 @@ class LearnerSession:
     def _install_final(self) -> None:
         self.sync.push_in_flight()  # pushes that ended since the last step are counted before the report
         rounds = self.sync.install_final()
+        # The goodbye is the syncer's only proof that the cut arrived (a FINAL sent into a link that
+        # was already dead looks sent): said now, not when the trainer gets round to `close`.
+        self.link.send(Bye(FINAL_INSTALLED))
         log.info("learner %d: final cut installed after %d rounds at step %d", self.settings.learner_id, rounds,
                  self.stats.steps)
 
@@ -448,7 +453,7 @@ class LearnerSession:
         return False
 
     def close(self) -> None:
-        self.link.close("final cut installed" if self.stats.final_installed else "learner stopped")
+        self.link.close(FINAL_INSTALLED if self.stats.final_installed else "learner stopped")
 
     # -- waits -------------------------------------------------------------------------------
     def _lockstep_wait(self, ready: Callable[[], bool], what: str) -> None:

@@ -13,7 +13,7 @@ from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult
 from yeto_core.refusal import IslandRefused
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_core.wire.errors import ErrorCode, Refused
-from yeto_core.wire.messages import Done
+from yeto_core.wire.messages import Bye, Done
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -176,7 +176,7 @@ def test_done_is_said_again_to_a_restarted_syncer_whose_generations_start_over()
 
     link.on_wait = syncer
     assert s.finish()
-    assert link.sent == [Done(0), Done(0)] and s.stats.connected_generations == [1, 1]
+    assert link.sent == [Done(0), Done(0), Bye("final cut installed")] and s.stats.connected_generations == [1, 1]
     assert torch.equal(w, torch.full((2,), 5.0))
 
 
@@ -199,7 +199,7 @@ def test_the_final_flush_pushes_what_trained_since_the_last_push_before_saying_d
     assert s.finish()
     (job,) = link.jobs
     assert torch.equal(job.delta, torch.full((2,), 3.0)) and job.steps == 1
-    assert link.sent == [Done(1)]  # DONE only once the flushed push was merged
+    assert link.sent == [Done(1), Bye("final cut installed")]  # DONE only once the flushed push was merged
 
 
 def test_sweep_answers_every_pull_then_waits_for_the_merges() -> None:
@@ -495,7 +495,7 @@ def test_a_streaming_island_says_done_only_once_its_last_push_is_merged() -> Non
     link.on_wait = syncer
     assert s.finish()
     assert seen == ["merged", "done"], "DONE before the last push merged"
-    assert link.sent == [Done(1)] and torch.equal(w, torch.ones(2))
+    assert link.sent == [Done(1), Bye("final cut installed")] and torch.equal(w, torch.ones(2))
 
 
 def test_an_overlapping_island_says_done_only_once_its_last_sweep_is_merged() -> None:
