@@ -25,17 +25,16 @@ from typing import Any
 import torch
 
 from yeto_core.codecs import BF16, F32, Bf16Parts, Codec, tensor_bytes
-from yeto_core.downlink import AnchorMismatch, DownlinkDecoder
+from yeto_core.downlink import AnchorMismatch, BroadcastReader
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout
-from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushJob, Received
+from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushEnded, PushJob, Received
 from yeto_core.probe import ProbeResult, measure_link
 from yeto_core.sections import LinkSettings
 from yeto_core.wire import auth
 from yeto_core.wire.buffers import receive_buffer
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
 from yeto_core.wire.messages import (
-    BCAST_DELTA,
     CHUNK_BYTES,
     HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
@@ -98,7 +97,7 @@ class SyncerClient:
         self.codec = codec
         self._layout_for: LayoutFor | None = None
         self.codec = codec
-        self._downlink: DownlinkDecoder | None = None
+        self._reader: BroadcastReader | None = None
         self._sends_init = sends_init
         self._faults = faults
         self._init_answers: queue.SimpleQueue[list[torch.Tensor] | None] = queue.SimpleQueue()
@@ -329,29 +328,14 @@ class SyncerClient:
     def _on_message(self, msg: Message, payload: memoryview | None) -> None:
         values = None
         if isinstance(msg, Bcast | Final):
-            layout = self.layout
-            assert layout is not None
-            if msg.fragment >= layout.num_fragments:
-                raise ProtocolError(f"syncer sent {type(msg).__name__} for fragment {msg.fragment} of "
-                                    f"{layout.num_fragments}")
-            numel = layout.fragments[msg.fragment].numel
-            delta = isinstance(msg, Bcast) and bool(msg.flags & BCAST_DELTA)
-            codec = BF16 if delta else F32
-            expected = codec.encoded_nbytes(numel)
-            unasked = delta and not self.bcast_delta
-            if payload is None or len(payload) != expected or msg.codec != codec.wire_id or unasked:
-                raise ProtocolError(f"syncer sent {type(msg).__name__} of {0 if payload is None else len(payload)}"
-                                    f" bytes for fragment {msg.fragment}; expected {expected} {codec.name} bytes")
-            if isinstance(msg, Bcast) and self.bcast_delta:
-                if self._downlink is None:
-                    self._downlink = DownlinkDecoder(layout.num_fragments)
-                try:
-                    values = self._downlink.apply(msg.fragment, msg.version, msg.flags, payload, msg.digest)
-                except AnchorMismatch as exc:  # never train on a silently wrong model: resync by redialing
-                    log.warning("learner %d: %s; reconnecting for a full resend", self.learner_id, exc)
-                    raise ConnectionClosed(f"downlink anchor mismatch: {exc}") from exc
-            else:  # the reassembled buffer is ours alone: view it as float32 without copying
-                values = torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
+            if self._reader is None:  # kept across connections: so is the downlink anchor
+                assert self.layout is not None
+                self._reader = BroadcastReader(self.layout, bcast_delta=self.bcast_delta)
+            try:  # the reassembled buffer is ours alone: a full send is viewed as float32 without a copy
+                values = self._reader.values(msg, payload)
+            except AnchorMismatch as exc:  # never train on a silently wrong model: resync by redialing
+                log.warning("learner %d: %s; reconnecting for a full resend", self.learner_id, exc)
+                raise ConnectionClosed(f"downlink anchor mismatch: {exc}") from exc
             if not self.initial_cut_received.is_set():
                 self.initial_cut_received.set()
                 with self._group_lock:
@@ -382,6 +366,7 @@ class SyncerClient:
                 log.exception("learner %d: push failed", self.learner_id)
             finally:
                 job.done.set()
+                self.inbox.put(PushEnded())
 
     def _push_buffer(self, nbytes: int) -> memoryview:
         """One reusable encode buffer per size: a single push is in flight at a time."""

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from yeto_core.codecs import BF16, F32, tensor_bytes
+from yeto_core.layout import Layout
+from yeto_core.wire.errors import ProtocolError
+from yeto_core.wire.messages import BCAST_DELTA, Bcast, Final
 
 FULL = 0x1
 DELTA = 0x2
@@ -107,3 +110,32 @@ class DownlinkDecoder:
         self.anchors[fragment] = anchor
         self.versions[fragment] = version
         return anchor.clone()
+
+
+class BroadcastReader:
+    """What a learner makes of a BCAST or FINAL, socket or not: the fragment's f32 values, checked
+    against its layout (a wrong size or codec is a `ProtocolError`), delta broadcasts applied to
+    the downlink anchor it keeps (`AnchorMismatch` when they do not follow it)."""
+
+    def __init__(self, layout: Layout, *, bcast_delta: bool) -> None:
+        self.layout = layout
+        self.bcast_delta = bcast_delta
+        self.downlink = DownlinkDecoder(layout.num_fragments) if bcast_delta else None
+
+    def values(self, msg: Bcast | Final, payload: memoryview | None) -> torch.Tensor:
+        """The values, as a tensor over `payload` itself for a full f32 send (the caller's buffer,
+        not copied) or a fresh one."""
+        kind = type(msg).__name__
+        if msg.fragment >= self.layout.num_fragments:
+            raise ProtocolError(f"syncer sent {kind} for fragment {msg.fragment} of {self.layout.num_fragments}")
+        numel = self.layout.fragments[msg.fragment].numel
+        delta = isinstance(msg, Bcast) and bool(msg.flags & BCAST_DELTA)
+        codec = BF16 if delta else F32
+        expected = codec.encoded_nbytes(numel)
+        unasked = delta and not self.bcast_delta
+        if payload is None or len(payload) != expected or msg.codec != codec.wire_id or unasked:
+            raise ProtocolError(f"syncer sent {kind} of {0 if payload is None else len(payload)} bytes for fragment "
+                                f"{msg.fragment}; expected {expected} {codec.name} bytes")
+        if isinstance(msg, Bcast) and self.downlink is not None:
+            return self.downlink.apply(msg.fragment, msg.version, msg.flags, payload, msg.digest)
+        return torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)

@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -51,7 +49,7 @@ from yeto_core.consensus_report import ConsensusReporter, Probe, metrics
 from yeto_core.fragment_sync import FragmentSync
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.learner_state import FragmentState, LearnerStats
-from yeto_core.link import Clock, Connected, Inbound, InitWanted, Link, Lost, PushJob
+from yeto_core.link import MONOTONIC, Clock, Connected, Inbound, InitWanted, Link, Lost, PushEnded, PushJob
 from yeto_core.probe import PROBE_EXIT_CODE
 from yeto_core.refusal import stop_if_refused
 from yeto_core.settings import LearnerSettings
@@ -80,7 +78,7 @@ class LearnerSession:
         store: TensorStore | None = None,
         probe: Probe | None = None,
         link: Link | None = None,
-        clock: Clock = time.monotonic,
+        clock: Clock = MONOTONIC,
         say: Callable[[str], None] = say_on_stderr,
     ) -> None:
         """Give either the live trainable tensors (`named_params`, one process holds them all)
@@ -100,7 +98,6 @@ class LearnerSession:
         self.sync = FragmentSync(learner_id=settings.learner_id, store=self.store, codec=self.codec,
                                  stats=self.stats, overlap=settings.overlap, merge_alpha=settings.merge_alpha,
                                  submit=lambda job: self.link.submit(job), say=say)
-        self._layout_lock = threading.Lock()
         self._init_snapshot: list[torch.Tensor] | None = None  # learner 0: INIT values before the first cut
         # DONE is owed once per connection, counted here: a restarted syncer numbers its
         # generations from 1 again, so a DONE the dead one swallowed may share the new one's number.
@@ -166,20 +163,20 @@ class LearnerSession:
         if expected is not None and expected != num_fragments:
             raise Refused(ErrorCode.LAYOUT, f"the syncer splits the model into {num_fragments} fragments but "
                           f"YETO_DILOCO_FRAGMENTS={expected}")
-        with self._layout_lock:
-            layout = self.sync.layout
-            if layout is None:
-                try:
-                    layout = build_layout(self.specs, num_fragments, pattern)
-                    blocking = blocking_fragments(layout, self.settings.blocking)
-                except ValueError as exc:
-                    where = " (YETO_DILOCO_BLOCKING)" if "blocking" in str(exc) else ""
-                    raise Refused(ErrorCode.LAYOUT, f"{exc}{where}") from exc
-                self.sync.begin(layout, blocking)
-            elif (layout.num_fragments, layout.pattern) != (num_fragments, pattern):
-                raise Refused(ErrorCode.LAYOUT, f"the syncer now asks for {num_fragments} {pattern} fragments; "
-                              f"this learner joined with {layout.num_fragments} {layout.pattern}")
-            return layout
+        # Only the link asks, one dial at a time, so the layout is built once without a lock.
+        layout = self.sync.layout
+        if layout is None:
+            try:
+                layout = build_layout(self.specs, num_fragments, pattern)
+                blocking = blocking_fragments(layout, self.settings.blocking)
+            except ValueError as exc:
+                where = " (YETO_DILOCO_BLOCKING)" if "blocking" in str(exc) else ""
+                raise Refused(ErrorCode.LAYOUT, f"{exc}{where}") from exc
+            self.sync.begin(layout, blocking)
+        elif (layout.num_fragments, layout.pattern) != (num_fragments, pattern):
+            raise Refused(ErrorCode.LAYOUT, f"the syncer now asks for {num_fragments} {pattern} fragments; "
+                          f"this learner joined with {layout.num_fragments} {layout.pattern}")
+        return layout
 
     def _answer_init(self, request: InitWanted) -> None:
         """Learner 0, on the training thread: read the INIT values the link waits for (a sharded
@@ -285,6 +282,8 @@ class LearnerSession:
             self._generation = None
         elif isinstance(event, InitWanted):
             self._answer_init(event)
+        elif isinstance(event, PushEnded):
+            pass  # it woke a wait; the push is counted where the session looks at it
         elif isinstance(event.msg, Bye):
             log.info("learner %d: syncer said goodbye (%s)", self.settings.learner_id, event.msg.reason)
         elif isinstance(event.msg, Consensus):
@@ -300,11 +299,11 @@ class LearnerSession:
     # -- the per-step entry point ------------------------------------------------------------
     def step(self, tokens: int) -> bool:
         """Account one optimizer step of `tokens` trained tokens; True means: stop training now."""
-        started = time.perf_counter()
+        started = self.clock()
         try:
             return self._step(tokens)
         finally:
-            self.stats.in_yeto_s += time.perf_counter() - started
+            self.stats.in_yeto_s += self.clock() - started
 
     def _step(self, tokens: int) -> bool:
         self.stats.steps += 1
@@ -408,11 +407,11 @@ class LearnerSession:
         the link streams them while training goes on, and their merges are rebased in at the next
         sweep, even one that comes in while this sweep still waits. `blocking_timeout_s` bounds
         it, after which training goes on. True when the final cut was installed."""
-        started = time.perf_counter()
+        started = self.clock()
         try:
             return self._sweep()
         finally:
-            self.stats.in_yeto_s += time.perf_counter() - started
+            self.stats.in_yeto_s += self.clock() - started
 
     def _sweep(self) -> bool:
         s = self.settings
@@ -441,13 +440,8 @@ class LearnerSession:
                     return False  # every delta is computed and queued: the link streams them as training goes on
                 if all(self.fragments[j.pull.fragment].version > j.base_version for j in swept):
                     return False
-            streaming = self.sync.push
-            if streaming is not None and not streaming.done.is_set():
-                # The sweep's end may be its last push's end, and that is no link event: wait on it.
-                streaming.done.wait(min(0.05, max(0.0, deadline - self.clock())))
-                self._tick(0.0)
-            else:
-                self._tick(0.05)
+            # The sweep's end may be its last push's end: the link says so (`PushEnded`).
+            self._tick(min(0.05, max(0.0, deadline - self.clock())))
         if self.link.refused is None:
             log.warning("learner %d: sweep not done within %.0f s; training on", s.learner_id, s.blocking_timeout_s)
         return False

@@ -12,12 +12,17 @@ Events (what the link delivers, in order):
 * `InitWanted`: learner 0 must upload the initial values (a syncer without model state). The
   training thread answers with `Link.provide_init` at its next tick, because reading the
   weights can be a collective operation across the island's ranks; the link waits for it.
+* `PushEnded`: a push handed to `submit` went out or failed (its `done` is set), so a session
+  that waits for its last push wakes on an event like any other.
+
+The session reads no clock of its own: `MONOTONIC` is the one a production session is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -28,7 +33,8 @@ from yeto_core.probe import ProbeResult
 from yeto_core.wire.errors import Refused
 from yeto_core.wire.messages import Message, Pull
 
-Clock = Callable[[], float]  # seconds, monotonic (time.monotonic in production)
+Clock = Callable[[], float]  # seconds, monotonic
+MONOTONIC: Clock = time.monotonic
 LayoutFor = Callable[[int, str], Layout]  # (fragments, pattern) named by the syncer → the layout to fingerprint
 
 
@@ -58,7 +64,12 @@ class InitWanted:
     reseed: bool
 
 
-Inbound = Connected | Lost | Received | InitWanted
+@dataclasses.dataclass(frozen=True)
+class PushEnded:
+    """The push last submitted went out, or failed: its `done` is set."""
+
+
+Inbound = Connected | Lost | Received | InitWanted | PushEnded
 
 
 @dataclasses.dataclass
