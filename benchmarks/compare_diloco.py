@@ -140,7 +140,7 @@ def baselines(arm: Arm, arms: dict[str, Arm]) -> tuple[str | None, str | None]:
 
 def effective(arm: Arm) -> tuple[Any, ...]:
     """What an arm actually runs: its settings minus those equal to the shipped defaults."""
-    from syncer.cli import build_parser
+    from syncer.service.cli import build_parser
     from yeto_core.settings import LearnerSettings, SyncerSettings
 
     flags = vars(build_parser().parse_args(arm.syncer))

@@ -8,7 +8,7 @@ byte count taken right before it, and the last line is `ratio push_ingest/raw_lo
 
 What runs
 ---------
-* **The syncer** is the product's own `syncer.cli.main` in a subprocess (`--learners 1 --quorum 1
+* **The syncer** is the product's own `syncer.service.cli.main` in a subprocess (`--learners 1 --quorum 1
   --fragments P --tape T --device cpu`), started through this file so that timestamp probes can
   be wrapped around a few of its functions without changing what they do (each wrapper calls the
   original and takes `time.time()`; lines go to stdout only outside the receive path):
@@ -85,18 +85,18 @@ REPO = Path(__file__).resolve().parents[1]  # children run `-m benchmarks.ingest
 # Role 1: the real syncer, with timestamp probes
 # ---------------------------------------------------------------------------------------------
 def _probed_syncer(argv: list[str]) -> int:
-    """`syncer.cli.main(argv)` with timestamp probes wrapped around a few of its functions.
+    """`syncer.service.cli.main(argv)` with timestamp probes wrapped around a few of its functions.
 
     The wrappers call the originals unchanged and only take `time.time()`; probe lines go to
     stdout after a PUSH was fully reassembled, after it was stored, and at the initial cut,
     never while a transfer is being received.
     """
-    from syncer import coordinator as co
-    from syncer import intake as it
-    from syncer import payload as pl
-    from syncer import protocol as pr
-    from syncer.cli import main
-    from syncer.events import Got
+    from syncer.core import intake as it
+    from syncer.core import payload as pl
+    from syncer.core import protocol as pr
+    from syncer.core.events import Got
+    from syncer.service import coordinator as co
+    from syncer.service.cli import main
     from yeto_core.wire import transport
     from yeto_core.wire.messages import Push
 

@@ -5,7 +5,7 @@
 
 For each learner count it times, in one process and one after the other:
 
-- **merge**: `syncer.round_merge.merge_round` as the coordinator calls it (a reused workspace, RDA on
+- **merge**: `syncer.merge.round_merge.merge_round` as the coordinator calls it (a reused workspace, RDA on
   every tensor, Nesterov 0.5/0.5), which includes the output screen;
 - **screen**: the screen's own work on the same fragment (the L2 norms of params and momentum and
   the optimizer's bound; the gradient's norm is taken for the tape anyway), the part a merge
@@ -26,10 +26,10 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.wire import parse_count
-from syncer.merge import Segment, accurate_norm
-from syncer.outer import Nesterov
-from syncer.round_merge import MergeWorkspace, merge_round
-from syncer.rounds import Answer
+from syncer.core.rounds import Answer
+from syncer.merge.merge import Segment, accurate_norm
+from syncer.merge.outer import Nesterov
+from syncer.merge.round_merge import MergeWorkspace, merge_round
 
 TENSOR = 1 << 20  # values per tensor; the last one takes what is left
 

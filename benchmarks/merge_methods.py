@@ -42,12 +42,12 @@ import psutil
 import torch
 
 from benchmarks.wire import parse_count
-from syncer.correction import HelocoConfig, heloco_correct
-from syncer.iso import direction_weights
-from syncer.iso_pool import IsoPool
-from syncer.merge import Segment, merge_deltas
-from syncer.round_merge import MergeWorkspace, prepare_merge
-from syncer.rounds import Answer
+from syncer.core.rounds import Answer
+from syncer.merge.correction import HelocoConfig, heloco_correct
+from syncer.merge.iso import direction_weights
+from syncer.merge.iso_pool import IsoPool
+from syncer.merge.merge import Segment, merge_deltas
+from syncer.merge.round_merge import MergeWorkspace, prepare_merge
 from yeto_core.settings import IsoWorkerSettings
 
 MATRIX = (512, 512)  # 1 MiB of float32: the smallest fragment holds one
@@ -115,7 +115,7 @@ def reference_norms(method: str, deltas: torch.Tensor, weights: torch.Tensor, mo
             norms = cols.norm(dim=1)
             u = (w64[:, None] * cols / norms[:, None]).sum(0)
             merged = (w64 * norms).sum() * u / u.norm()
-        if seg.iso_shape is not None:  # the flattened matrix's norm: s̄·√(Σ w_i²), syncer/iso.py's weights
+        if seg.iso_shape is not None:  # the flattened matrix's norm: s̄·√(Σ w_i²), syncer/merge/iso.py's weights
             s = torch.linalg.svdvals(merged.view(seg.iso_shape))
             w = direction_weights(s, seg.iso_shape)
             out.append(float((w * s).sum() / w.sum() * (w * w).sum().sqrt()) if w.sum() > 0 else 0.0)

@@ -5,7 +5,7 @@
 Each case measures, in the same run, what the planner takes as input (every island's step time,
 the link by yeto's bandwidth probe or a raw loopback transfer of the same bytes, the merge rate the
 run's syncer reached by its tape's `merge_ms`, a tape fsync by `benchmarks.wire`), asks
-`syncer.plan.predict` what the run's own configuration costs, and prints the prediction beside
+`syncer.tools.plan.predict` what the run's own configuration costs, and prints the prediction beside
 what the run did:
 
 1. **main**: the main job's syncer and two HF tiny-Llama islands (`examples/main_job.py`, H=24,
@@ -18,7 +18,7 @@ what the run did:
    merge, against the raw loopback rate of the same bytes taken right before each push.
 4. **netns**: the syncer and two learners (an 8×256² MLP, 20 ms steps, H=8, P=4) in two network
    namespaces joined by a veth pair shaped by tc tbf (20 Mbit/s each way): link-bound, f32, and
-   int8 pushes with bf16 downlink deltas. The link is measured by `python -m syncer.plan --probe`
+   int8 pushes with bf16 downlink deltas. The link is measured by `yeto-plan --probe`
    run in the learners' namespace; line bytes by the qdiscs' counters (headers and ACKs in).
    Needs root, iproute2 and the tbf qdisc; otherwise the case says why it was skipped.
 
@@ -116,7 +116,7 @@ def syncer_merge_bps(commits: list[dict[str, Any]], sizes: tuple[int, ...]) -> f
     (answers + MERGE_PASSES) passes over each fragment's f32 values a second. Measured outside the
     syncer, the same merge moved 5x with the machine's load (docs/planner.md), so the run's own
     syncer is the measurement."""
-    from syncer.plan import MERGE_PASSES
+    from syncer.tools.plan import MERGE_PASSES
 
     rates = [4 * sizes[c["fragment"]] * (len(c["learners"]) + MERGE_PASSES) / (c["merge_ms"] / 1000)
              for c in commits if c["merge_ms"] > 0]
@@ -124,14 +124,14 @@ def syncer_merge_bps(commits: list[dict[str, Any]], sizes: tuple[int, ...]) -> f
 
 
 def model_of(name: str, named: Any, embedding: tuple[str, ...] = ()) -> Any:
-    from syncer.plan import Model, Tensor
+    from syncer.tools.plan import Model, Tensor
 
     tensors = tuple(Tensor(n, p.numel(), n in embedding) for n, p in named)
     return Model(name, tensors, sum(t.numel for t in tensors))
 
 
 def commits_between(tape: Path, t0: float, t1: float) -> list[dict[str, Any]]:
-    from syncer.tape import read_tape
+    from syncer.durability.tape import read_tape
 
     return [r for r in read_tape(tape) if r.get("event") == "commit" and t0 <= r["t"] <= t1]
 
@@ -141,9 +141,9 @@ def commits_between(tape: Path, t0: float, t1: float) -> list[dict[str, Any]]:
 
 def case_main(args: argparse.Namespace, workdir: Path, cal: Calibration) -> list[Row]:
     from benchmarks.procs import stop
-    from syncer.plan import Choice, Island, Model, Setup, SyncerHost, fragment_params, predict
-    from syncer.plan_model import decoder_tensors
-    from syncer.tape import read_tape
+    from syncer.durability.tape import read_tape
+    from syncer.tools.plan import Choice, Island, Model, Setup, SyncerHost, fragment_params, predict
+    from syncer.tools.plan_model import decoder_tensors
 
     spec = importlib.util.spec_from_file_location("main_job", ROOT / "examples" / "main_job.py")
     assert spec is not None and spec.loader is not None
@@ -215,7 +215,7 @@ def straggler_arm(name: str, quorum: int, seconds: float, workdir: Path, cal: Ca
     import torch
 
     from benchmarks import straggler
-    from syncer.plan import Choice, Island, Setup, SyncerHost, fragment_params, predict
+    from syncer.tools.plan import Choice, Island, Setup, SyncerHost, fragment_params, predict
 
     torch.set_num_threads(1)
     keys = key_file(workdir)
@@ -273,8 +273,8 @@ def case_straggler(args: argparse.Namespace, workdir: Path, cal: Calibration) ->
 def case_wire(args: argparse.Namespace, workdir: Path, cal: Calibration) -> list[Row]:
     from benchmarks import ingest, wire
     from benchmarks.loopback import RawLoopback
-    from syncer.plan import Choice, Island, Model, Setup, SyncerHost, Tensor, predict
-    from syncer.tape import read_tape
+    from syncer.durability.tape import read_tape
+    from syncer.tools.plan import Choice, Island, Model, Setup, SyncerHost, Tensor, predict
 
     mib, fragments, pushes = 64, 4, (8 if args.quick else 12)
     say(f"wire: f32 pushes of one learner, a {mib} MiB model in {fragments} fragments, {pushes} pushes")
@@ -420,8 +420,8 @@ def mlp(width: int, layers: int) -> Any:
 def netns_arm(codec: str, downlink: str, seconds: float, workdir: Path, cal: Calibration) -> list[Row]:
     from safetensors.torch import save_file
 
-    from syncer.plan import Choice, Island, Setup, SyncerHost, fragment_params, predict
-    from syncer.plan_model import load_model
+    from syncer.tools.plan import Choice, Island, Setup, SyncerHost, fragment_params, predict
+    from syncer.tools.plan_model import load_model
 
     rate, h, fragments, period = "20mbit", 8, 4, 0.02
     keys = key_file(workdir)
@@ -446,7 +446,8 @@ def netns_arm(codec: str, downlink: str, seconds: float, workdir: Path, cal: Cal
             time.sleep(0.05)
         # The link as a user would measure it: yeto-plan's --probe, from the learners' namespace.
         probe = subprocess.run(net.argv(net.learner_ns, [
-            sys.executable, "-m", "syncer.plan", "--probe", address, "--key-file", str(keys), "--probe-mib", "2",
+            sys.executable, "-m", "syncer.tools.plan_cli", "--probe", address, "--key-file", str(keys),
+            "--probe-mib", "2",
             "--model", str(model_file), "--islands", "2", "--step-s", str(period), "--h", str(h), "--codec", codec,
             "--downlink", downlink, "--fragments", str(fragments), "--pipeline", "2", "--syncer-memory-gib", "4",
             "--json"]), cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
@@ -458,7 +459,7 @@ def netns_arm(codec: str, downlink: str, seconds: float, workdir: Path, cal: Cal
                 sys.executable, "-m", "benchmarks.plan_check", "learner", "--syncer", address, "--key-file", str(keys),
                 "--learner-id", str(i), "--codec", codec, "--downlink", downlink, "--period-s", str(period),
                 "--sync-interval", str(h)]), workdir / f"learner{i}.log"))
-        from syncer.tape import read_tape
+        from syncer.durability.tape import read_tape
 
         deadline = time.monotonic() + 120
         while not tape.exists() or sum(r.get("event") == "commit" for r in read_tape(tape)) < 2 * fragments:

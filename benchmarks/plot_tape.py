@@ -4,8 +4,8 @@
     python -m benchmarks.plot_tape --mb 100 --learners 8 --keep DIR
 
 Writes a synthetic tape of the records a syncer writes per round (`launch`, then `commit` with
-every field `syncer/commit.py` and the consensus add, a `carry` now and then, a `join` per
-learner first), runs `python -m syncer.plot` on it in a subprocess, and prints the tape's size
+every field `syncer/core/commit.py` and the consensus add, a `carry` now and then, a `join` per
+learner first), runs `python -m syncer.tools.plot` on it in a subprocess, and prints the tape's size
 and rounds, the tool's wall time and its peak RSS (`getrusage(RUSAGE_CHILDREN).ru_maxrss`: the
 child is the only one this process waits for).
 """
@@ -72,7 +72,7 @@ def write_tape(path: Path, *, rounds: int | None = None, size: int | None = None
 def plot(tape: Path, out: Path) -> tuple[subprocess.CompletedProcess[str], float, int]:
     """Run yeto-plot on `tape` in a subprocess: the result, its wall seconds and peak RSS in bytes."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "syncer.plot", str(tape), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "syncer.tools.plot", str(tape), "--out", str(out)],
                           capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     return done, wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB

@@ -312,9 +312,9 @@ def available_bytes() -> int:
 
 def planned_memory(model_bytes: int, m: int, fragments: int) -> tuple[float, float]:
     """yeto-plan's syncer memory at M learners and an island's beyond its weights, for this run's
-    synthetic model, f32 both ways, the shipped pipeline (`syncer.plan`)."""
+    synthetic model, f32 both ways, the shipped pipeline (`syncer.tools.plan`)."""
     from benchmarks.scale_parts import synthetic_specs
-    from syncer.plan import (
+    from syncer.tools.plan import (
         Choice,
         Island,
         Model,

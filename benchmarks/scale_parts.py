@@ -67,10 +67,10 @@ def best_of(run: Callable[[], object], repeat: int) -> float:
 # ---------------------------------------------------------------------------------------------
 def merge_times(numel: int, learners: int, repeat: int) -> dict[str, float]:
     """Seconds of one fragment's merge of `learners` answers, RDA and average, and of a copy."""
-    from syncer.merge import Segment
-    from syncer.outer import Nesterov
-    from syncer.round_merge import MergeWorkspace, merge_round
-    from syncer.rounds import Answer
+    from syncer.core.rounds import Answer
+    from syncer.merge.merge import Segment
+    from syncer.merge.outer import Nesterov
+    from syncer.merge.round_merge import MergeWorkspace, merge_round
 
     g = torch.Generator().manual_seed(learners)
     answers = [Answer(lid, 1, tokens=1000 + lid, steps=8, delta=torch.randn(numel, generator=g).mul_(1e-3),
@@ -148,7 +148,7 @@ def _raw_read(path: Path, sizes: list[int]) -> None:
 
 
 def _synthetic_state(model_bytes: int, fragments: int) -> Any:
-    from syncer.checkpoint import SyncerState
+    from syncer.durability.checkpoint import SyncerState
     from yeto_core.layout import build_layout
 
     specs = synthetic_specs(model_bytes, fragments)
@@ -168,7 +168,7 @@ def _timed(times: dict[str, list[float]], name: str, run: Callable[[], object]) 
 
 def _write_both(state: Any, ours: Path, plain: Path, repeat: int, times: dict[str, list[float]]) -> list[int]:
     """Alternated, so both see the same disk and the same page cache; the tensors' sizes back."""
-    from syncer.checkpoint import save_checkpoint
+    from syncer.durability.checkpoint import save_checkpoint
 
     tensors = [*state.params, *state.momentum]
     for i in range(repeat):  # ABBA order: neither is always the one that follows the other's writes
@@ -185,7 +185,7 @@ def checkpoint_times(model_bytes: int, fragments: int, directory: Path, repeat: 
     momentum), beside writing + fsyncing and reading the same bytes plainly. The state is freed
     before the reads, so at most one full copy of it is held at a time (a loaded one is dropped
     before the next read). The best of `repeat` runs of each."""
-    from syncer.checkpoint import load_checkpoint
+    from syncer.durability.checkpoint import load_checkpoint
 
     ours, plain = directory / "state.safetensors", directory / "plain.bin"
     times: dict[str, list[float]] = {}

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from safetensors.torch import load_file
 
-    from syncer.checkpoint import load_checkpoint
+    from syncer.durability.checkpoint import load_checkpoint
 
     state = load_checkpoint(run / "syncer.ckpt")
     rounds = committed(run / "tape.jsonl")

@@ -7,7 +7,7 @@ Only ratios measured in one run mean anything (absolute GB/s move with the machi
 whatever else runs on it), so every yeto figure is paired with a baseline taken in the same run.
 The last line is `ratio push_ingest_f32/raw_loopback = X`.
 
-1. **PUSH ingest, f32.** The real syncer (`syncer.cli.main` in a subprocess, with the timestamp
+1. **PUSH ingest, f32.** The real syncer (`syncer.service.cli.main` in a subprocess, with the timestamp
    probes of `benchmarks.ingest`), learner 0 driven through `SyncerClient` with its own F32 codec
    (the product's path: an f32 delta is its own wire bytes, no encode copy). push_ingest = fragment
    bytes / (syncer stored the decoded, checked delta − `SyncerClient.submit`), exactly as in

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from syncer.plot import plot_tape
+from syncer.tools.plot import plot_tape
 
 ROOT = Path(__file__).resolve().parent.parent
 LEARNERS = 2

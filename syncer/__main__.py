@@ -2,6 +2,6 @@
 
 import sys
 
-from syncer.cli import main
+from syncer.service.cli import main
 
 sys.exit(main())

@@ -28,9 +28,9 @@ The points (each says what has and has not happened when it fires):
 * ``mid-bcast``: the syncer sent a round's broadcast to some learners, not to all (with one
   learner: before sending it).
 * ``mid-final``: the final cut is written; the syncer sent FINAL to some learners, not to all.
-* ``iso-start``: an isotropic-merge worker (`syncer.iso_worker`) started, not yet ready.
+* ``iso-start``: an isotropic-merge worker (`syncer.merge.iso_worker`) started, not yet ready.
 * ``iso-job``: that worker read a whole matrix and has not answered it. The syncer's setting arms
-  these two in its first worker only (`syncer.iso_pool`); the syncer itself never reaches them.
+  these two in its first worker only (`syncer.merge.iso_pool`); the syncer itself never reaches them.
 """
 
 from __future__ import annotations

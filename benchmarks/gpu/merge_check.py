@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.wire import CODEC_NAMES
-from syncer.iso_pool import IsoPool
-from syncer.merge import Segment, merge_deltas
+from syncer.merge.iso_pool import IsoPool
+from syncer.merge.merge import Segment, merge_deltas
 from yeto_core.codecs import codec_by_name
 from yeto_core.settings import IsoWorkerSettings
 

@@ -72,7 +72,7 @@ assert [c["round"] for c in commits] == list(range(iterations * fragments)), [c[
 assert all(sorted(c["learners"]) == [0, 1] for c in commits), "a round merged one island only"
 print(f"tape: {len(commits)} rounds, {iterations} sweeps of {fragments} fragments, both islands in each")
 PY
-"$PY" -m syncer.export --checkpoint "$WORK/syncer.safetensors" --model "$MODEL" --output-dir "$WORK/final"
+"$PY" -m syncer.tools.export --checkpoint "$WORK/syncer.safetensors" --model "$MODEL" --output-dir "$WORK/final"
 "$PY" "$ROOT/benchmarks/gpu/verl_check.py" compare --final "$WORK/final" --max-tokens 128 \
     --dumps "$WORK/val0/$ITERATIONS.jsonl" "$WORK/val1/$ITERATIONS.jsonl"
 echo "verl GPU check passed ($MODE, $ITERATIONS iterations)"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, base_env, syncer_argv
 
-from syncer.checkpoint import SyncerState, save_checkpoint
+from syncer.durability.checkpoint import SyncerState, save_checkpoint
 from yeto_core.layout import TensorSpec, build_layout
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,7 @@ def test_a_damaged_checkpoint_is_refused_by_resume_and_export(tmp_path: Path, ke
 
     config = tmp_path / "config"
     config.mkdir()
-    exported = run([sys.executable, "-m", "syncer.export", "--checkpoint", str(path), "--model", str(config),
+    exported = run([sys.executable, "-m", "syncer.tools.export", "--checkpoint", str(path), "--model", str(config),
                     "--output-dir", str(tmp_path / "out")])
     assert exported.returncode == 2, exported.stderr
     assert re.search(r"tensor param/\S+ does not match its checksum", exported.stderr), exported.stderr

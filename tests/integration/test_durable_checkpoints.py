@@ -33,8 +33,8 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import load_checkpoint
-from syncer.run_lock import lock_path_of
+from syncer.durability.checkpoint import load_checkpoint
+from syncer.durability.run_lock import lock_path_of
 
 pytestmark = pytest.mark.integration
 

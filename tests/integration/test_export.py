@@ -27,7 +27,7 @@ from conftest import (
     wait_all,
 )
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def write_config(example: ModuleType, directory: Path, **overrides: object) -> P
 
 
 def run_export(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "syncer.export", *map(str, args)], cwd=ROOT, env=base_env(),
+    return subprocess.run([sys.executable, "-m", "syncer.tools.export", *map(str, args)], cwd=ROOT, env=base_env(),
                           capture_output=True, text=True, timeout=120, check=False)
 
 

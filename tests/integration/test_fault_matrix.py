@@ -20,7 +20,7 @@ import torch
 from conftest import Procs, Syncer, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
 from lockstep import SeededIsland, lock_step
 
-from syncer.checkpoint import load_checkpoint, tokens_by_learner
+from syncer.durability.checkpoint import load_checkpoint, tokens_by_learner
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import Island, Procs, Syncer, checkpoint_params, dial, hello, join_raw, start_syncer, syncer_exit_code
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 from yeto_core.wire.messages import MsgType, encode_frame
 
 pytestmark = pytest.mark.integration

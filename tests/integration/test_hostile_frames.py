@@ -26,7 +26,7 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 from yeto_core.codecs import F32
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import HEADER, MAGIC, PROTOCOL_VERSION, Error, MsgType, Push

@@ -28,8 +28,8 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import load_checkpoint
-from syncer.iso_pool import ISO_EXIT_CODE
+from syncer.durability.checkpoint import load_checkpoint
+from syncer.merge.iso_pool import ISO_EXIT_CODE
 
 pytestmark = pytest.mark.integration
 

@@ -57,7 +57,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from syncer.checkpoint import ledger_key, load_checkpoint, parse_ledger_key, tokens_by_learner
+from syncer.durability.checkpoint import ledger_key, load_checkpoint, parse_ledger_key, tokens_by_learner
 
 pytestmark = pytest.mark.integration
 

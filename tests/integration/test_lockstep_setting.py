@@ -20,7 +20,7 @@ import torch
 from conftest import Procs, checkpoint_params, commits, start_syncer, syncer_exit_code
 from lockstep import SeededIsland
 
-from syncer.checkpoint import load_checkpoint, tokens_by_learner
+from syncer.durability.checkpoint import load_checkpoint, tokens_by_learner
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, Procs, base_env, commits, read_tape, start_syncer, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from syncer.plot import PLOTS
+from syncer.tools.plot import PLOTS
 from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
@@ -122,7 +122,7 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
             session.close()
     # The same run's tape, drawn: `yeto-plot` writes its five PNGs (900 x 450) of the real records.
     plots = procs.workdir / "plots"
-    plotted = subprocess.run([sys.executable, "-m", "syncer.plot", str(syncer.tape), "--out", str(plots)],
+    plotted = subprocess.run([sys.executable, "-m", "syncer.tools.plot", str(syncer.tape), "--out", str(plots)],
                              cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=90)
     assert plotted.returncode == 0 and "5 plots" in plotted.stdout, plotted.stderr
     for name in PLOTS:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import Island, Procs, Syncer, checkpoint_params, join_raw, start_syncer, syncer_exit_code, wait_until
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import Error, Message, Pull, Push

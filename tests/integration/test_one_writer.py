@@ -19,9 +19,9 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import load_checkpoint
-from syncer.run_lock import lock_path_of
-from syncer.tape import read_tape
+from syncer.durability.checkpoint import load_checkpoint
+from syncer.durability.run_lock import lock_path_of
+from syncer.durability.tape import read_tape
 
 pytestmark = pytest.mark.integration
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Procs, base_env, start_syncer
 
-from syncer.plan_cli import main
+from syncer.tools.plan_cli import main
 
 pytestmark = pytest.mark.integration
 
 
 def plan(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "syncer.plan", *argv], cwd=ROOT, env=base_env(),
+    return subprocess.run([sys.executable, "-m", "syncer.tools.plan_cli", *argv], cwd=ROOT, env=base_env(),
                           capture_output=True, text=True, timeout=60)
 
 

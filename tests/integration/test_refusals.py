@@ -28,7 +28,7 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from conftest import (
     wait_until,
 )
 
-from syncer.checkpoint import last_generations, ledger_key, load_checkpoint
+from syncer.durability.checkpoint import last_generations, ledger_key, load_checkpoint
 
 pytestmark = pytest.mark.integration
 

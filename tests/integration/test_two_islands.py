@@ -20,7 +20,7 @@ from conftest import (
     wait_all,
 )
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 

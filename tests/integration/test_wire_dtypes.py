@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import Island, Procs, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
 
-from syncer.checkpoint import load_checkpoint
+from syncer.durability.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -225,7 +225,7 @@ def _preload_hf() -> None:
     import transformers  # noqa: F401
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: F401
 
-    import syncer.cli  # noqa: F401
+    import syncer.service.cli  # noqa: F401
     import yeto_plugins.hf  # noqa: F401
 
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from syncer.checkpoint import SyncerState, ledger_key, load_checkpoint
+from syncer.durability.checkpoint import SyncerState, ledger_key, load_checkpoint
 from tests.sim.world import Run
 
 

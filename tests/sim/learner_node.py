@@ -23,9 +23,10 @@ from tests.sim.network import Connection, Latency
 from tests.sim.scheduler import Actor, Scheduler
 from yeto_core.client import hello_for
 from yeto_core.codecs import F32, Codec, tensor_bytes
+from yeto_core.downlink import AnchorMismatch, BroadcastReader
 from yeto_core.layout import Layout
 from yeto_core.learner import LearnerSession
-from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushJob, Received
+from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushEnded, PushJob, Received
 from yeto_core.probe import ProbeResult
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire import auth
@@ -60,6 +61,7 @@ class SimLink:
         self.syncer_consensus = False
         self._layout_for: LayoutFor | None = None
         self._init_asked_on: Connection | None = None
+        self._reader: BroadcastReader | None = None
         self._backoff = REDIAL_FIRST_S
         self._sender_free_at = 0.0
         self.generations: list[tuple[int, int]] = []  # (syncer incarnation, generation) of every group
@@ -83,7 +85,9 @@ class SimLink:
             job.error = "no link to the syncer"
             job.done.set()
             return
-        payload = bytes(tensor_bytes(job.delta.clone()))  # encoded now: the delta buffer is the session's
+        encoded = bytearray(nbytes)  # encoded now: the delta buffer is the session's
+        self.codec.encode(job.delta, memoryview(encoded))
+        payload = bytes(encoded)
         step_us = 0 if job.step_s is None else min(int(job.step_s * 1e6), 2**32 - 1)
         msg = Push(job.pull.round, job.pull.attempt, job.pull.fragment, job.base_version, job.tokens, job.steps,
                    step_us, 0, 0, self.codec.wire_id)
@@ -96,6 +100,7 @@ class SimLink:
             else:
                 job.error = "link lost while pushing"
             job.done.set()
+            self.inbox.append(PushEnded())
             self._poke()
 
         self.sim.at(self._sender_free_at, sent)
@@ -177,12 +182,15 @@ class SimLink:
     def _receive(self, msg: Message, payload: bytes | None) -> None:
         values = None
         if isinstance(msg, Bcast | Final):
-            assert self.layout is not None
-            numel = self.layout.fragments[msg.fragment].numel
-            if payload is None or len(payload) != numel * 4 or msg.codec != F32.wire_id:
-                raise AssertionError(f"the syncer sent {type(msg).__name__} of {len(payload or b'')} bytes for "
-                                     f"fragment {msg.fragment} of {numel} f32 values")
-            values = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+            if self._reader is None:  # kept across connections, as the client keeps it
+                assert self.layout is not None
+                self._reader = BroadcastReader(self.layout, bcast_delta=self.link.bcast_delta)
+            try:
+                values = self._reader.values(msg, None if payload is None else memoryview(bytearray(payload)))
+            except AnchorMismatch:  # the client redials for a full resend
+                if self.conn is not None:
+                    self.conn.cut("downlink anchor mismatch", quick=True)
+                return
             self.initial_cut_received = True
         elif isinstance(msg, Error) and msg.code.permanent:
             self.refused = self.refused or Refused(msg.code, msg.reason)

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from syncer.checkpoint import SyncerState, last_generations
-from syncer.coordinator import Coordinator
-from syncer.events import Connected, Got, Joined, Left
-from syncer.handshake import HandshakeRefused, check_hello
-from syncer.links import Phase, sweep_problem
+from syncer.core.events import Connected, Got, Joined, Left
+from syncer.core.handshake import HandshakeRefused, check_hello
+from syncer.core.links import Phase, sweep_problem
+from syncer.durability.checkpoint import SyncerState, last_generations
+from syncer.service.coordinator import Coordinator
 from tests.sim.network import Connection, Latency, payload_bytes
 from tests.sim.scheduler import Scheduler
 from tests.unit.syncer_harness import RecordingTape

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from syncer.commit import Commit
+from syncer.core.commit import Commit
 from tests.sim.invariants import check
 from tests.sim.runner import replay_command, run_seeds
 from tests.sim.world import Run, Scenario, simulate

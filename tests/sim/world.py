@@ -10,6 +10,8 @@ delays, each learner's pace, the fault schedule), runs it on the simulated clock
 * ``freeze``: a learner stops stepping (and reading) for a while, its link up;
 * ``intruder``: a process with the wrong key dials as one of the learners;
 * ``slow``: one learner steps several times slower than the rest.
+
+The wire varies too: the push codec (f32, bf16 or a quantized one) and full or delta broadcasts.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from typing import Any
 import torch
 from pydantic import SecretStr
 
-from syncer.checkpoint import SyncerState, load_checkpoint
+from syncer.durability.checkpoint import SyncerState, load_checkpoint
 from tests.sim.learner_node import SimLink, Trained, train
 from tests.sim.network import Latency
 from tests.sim.scheduler import Actor, Scheduler
 from tests.sim.syncer_node import SyncerNode
-from yeto_core.codecs import F32
+from yeto_core.codecs import codec_by_name
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, SyncerSettings
 
@@ -96,6 +98,9 @@ class Scenario:
             "final_flush": rng.random() < 0.5,
             "merge_alpha": rng.choice([0.0, 0.0, 0.5]),
             "blocking": rng.choice(["", "", "0"]),
+            "wire_dtype": rng.choice(["f32", "f32", "bf16", "int8", "int4", "e3m0"]),
+            "push_block": rng.choice([8, 128]),
+            "bcast_delta": rng.random() < 0.3,
         }
         latency = {"base_s": rng.uniform(0.0005, 0.05), "jitter_s": rng.uniform(0.0, 0.05),
                    "bytes_per_s": rng.choice([1e4, 1e5, 1e7])}
@@ -160,7 +165,7 @@ class World:
         return self._settings[key]
 
     def _backend(self) -> str:
-        from syncer.links import backend_id
+        from syncer.core.links import backend_id
 
         return backend_id(self.syncer_settings.merging)
 
@@ -178,7 +183,8 @@ class World:
         settings = self._learner_settings(key).model_copy(update={"learner_id": learner_id})
         generator = torch.Generator().manual_seed(rng.getrandbits(31))
         weights = [torch.randn(shape, generator=generator) for shape in SHAPES]
-        link = SimLink(self.sim, self.latency, rng, settings, F32, lambda: self.node, process)
+        codec = codec_by_name(settings.wire_dtype, block=settings.push_block)
+        link = SimLink(self.sim, self.latency, rng, settings, codec, lambda: self.node, process)
         session = LearnerSession(settings, [(f"t{i}", w) for i, w in enumerate(weights)], link=link,
                                  clock=self.sim.clock, say=lambda line: None)
         out = Trained(process, learner_id)

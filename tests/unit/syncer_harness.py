@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from syncer.coordinator import Coordinator
-from syncer.events import Connected, Got, Joined, Left
-from syncer.rounds import RoundState
+from syncer.core.events import Connected, Got, Joined, Left
+from syncer.core.rounds import RoundState
+from syncer.service.coordinator import Coordinator
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from syncer.checkpoint import (
+from syncer.durability.checkpoint import (
     CheckpointError,
     SyncerState,
     last_generations,
@@ -438,7 +438,7 @@ def test_checksums_that_name_other_tensors_are_refused(tmp_path: Path) -> None:
 # -- streaming: every tensor crosses many write and read chunks ----------------------------------------
 @pytest.fixture
 def tiny_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import syncer.checkpoint as ckpt
+    import syncer.durability.checkpoint as ckpt
 
     monkeypatch.setattr(ckpt, "_CHUNK", 64)  # 16 values: the tiny model's tensors span up to 16 chunks
 

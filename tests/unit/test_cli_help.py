@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from syncer import cli
+from syncer.service import cli
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from syncer.consensus import ConsensusBoard
+from syncer.core.consensus import ConsensusBoard
 from yeto_core.consensus import (
     MAX_PROBE_TOKENS,
     ProbeSummary,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from syncer_harness import SyncerUnderTest
 
-from syncer.rounds import RoundState
+from syncer.core.rounds import RoundState
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import BCAST_MERGED, Bye, Error, Pull
 

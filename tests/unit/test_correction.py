@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from syncer import correction
-from syncer.correction import HelocoConfig, heloco_correct
-from syncer.merge import Segment, outer_gradient
-from syncer.outer import nesterov_step
+from syncer.merge import correction
+from syncer.merge.correction import HelocoConfig, heloco_correct
+from syncer.merge.merge import Segment, outer_gradient
+from syncer.merge.outer import nesterov_step
 
 pytestmark = pytest.mark.unit
 

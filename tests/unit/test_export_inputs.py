@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncer.checkpoint import SyncerState, save_checkpoint
-from syncer.export import main
+from syncer.durability.checkpoint import SyncerState, save_checkpoint
+from syncer.tools.export import main
 from yeto_core.layout import TensorSpec, build_layout
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -85,7 +85,7 @@ def refused(code: int, err: list[str], *says: str) -> None:
 
 def test_an_adapter_config_on_a_full_tuning_checkpoint_is_refused(tiny: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "syncer.export", "--checkpoint", str(tiny["full"]), "--model",
+    done = subprocess.run([sys.executable, "-m", "syncer.tools.export", "--checkpoint", str(tiny["full"]), "--model",
                            str(tiny["base"]), "--adapter-config", str(tiny["adapter"]), "--output-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
     err = done.stderr.strip().splitlines()

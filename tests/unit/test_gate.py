@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from syncer.gate import BurstLog, HandshakeGate, default_cap
+from syncer.service.gate import BurstLog, HandshakeGate, default_cap
 
 pytestmark = pytest.mark.timeout(30)
 

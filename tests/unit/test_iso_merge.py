@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncer.iso import direction_weights, isotropic_, spectrum_rank
-from syncer.links import backend_id
-from syncer.merge import Segment, merge_deltas, rda
-from syncer.round_merge import fragment_segments
+from syncer.core.links import backend_id
+from syncer.merge.iso import direction_weights, isotropic_, spectrum_rank
+from syncer.merge.merge import Segment, merge_deltas, rda
+from syncer.merge.round_merge import fragment_segments
 from yeto_core.layout import build_layout, specs_from_named_tensors
 from yeto_core.sections import MergeSettings
 

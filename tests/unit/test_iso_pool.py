@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncer.iso import isotropic_
-from syncer.iso_pool import IsoPool, IsoPoolError
-from syncer.stopping import Stopped, StopRequest
+from syncer.durability.stopping import Stopped, StopRequest
+from syncer.merge.iso import isotropic_
+from syncer.merge.iso_pool import IsoPool, IsoPoolError
 from yeto_core.settings import IsoWorkerSettings
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +50,7 @@ def worker_children() -> set[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"syncer.iso_worker" in cmdline:
+        if ppid == os.getpid() and b"syncer.merge.iso_worker" in cmdline:
             found.add(int(entry.name))
     return found
 
@@ -216,7 +216,7 @@ def test_a_stop_request_ends_the_merges_waits_and_close_ends_a_busy_worker_at_on
 
 
 def test_a_merge_on_the_pool_is_the_merge_without_it() -> None:
-    from syncer.merge import Segment, merge_deltas
+    from syncer.merge.merge import Segment, merge_deltas
 
     g = torch.Generator().manual_seed(1)
     deltas = torch.randn(3, 24 * 16 + 7 + 12 * 10, generator=g)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncer.leases import Leases, fresh_copy
+from syncer.core.leases import Leases, fresh_copy
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from syncer import merge
-from syncer.merge import (
+from syncer.merge import merge
+from syncer.merge.merge import (
     Segment,
     accurate_norm,
     check_finite,
@@ -19,7 +19,7 @@ from syncer.merge import (
     rda,
     weighted_average,
 )
-from syncer.outer import nesterov_step
+from syncer.merge.outer import nesterov_step
 
 pytestmark = pytest.mark.unit
 

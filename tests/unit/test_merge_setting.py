@@ -7,8 +7,8 @@ from functools import partial
 import pytest
 import torch
 
-from syncer.links import backend_id
-from syncer.round_merge import fragment_segments
+from syncer.core.links import backend_id
+from syncer.merge.round_merge import fragment_segments
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
 
@@ -51,7 +51,7 @@ def test_an_unknown_merge_is_refused_with_the_setting_named() -> None:
 
 
 def test_the_shipped_outer_step_against_a_hand_reference() -> None:
-    from syncer.outer import STEPS_KEY, outer_optimizer
+    from syncer.merge.outer import STEPS_KEY, outer_optimizer
 
     s = SyncerSettings()
     assert (s.merge, s.outer_optimizer, s.outer_lr, s.outer_momentum, s.outer_momentum_warmup) == (

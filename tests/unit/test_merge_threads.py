@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from syncer import merge
-from syncer.merge import Segment, check_finite, merge_deltas, segment_sq_norms
+from syncer.merge import merge
+from syncer.merge.merge import Segment, check_finite, merge_deltas, segment_sq_norms
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from syncer.metrics import SyncerMetrics, metric_names, readme_table
+from syncer.service.metrics import SyncerMetrics, metric_names, readme_table
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -78,7 +78,7 @@ def test_metric_names_follow_prometheus_conventions() -> None:
 
 def test_the_readme_lists_every_metric_as_the_code_defines_it() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert readme_table() in readme, "README's metric table is stale: paste syncer.metrics.readme_table()"
+    assert readme_table() in readme, "README's metric table is stale: paste syncer.service.metrics.readme_table()"
 
 
 def test_the_readme_lists_every_island_metric_as_the_code_defines_it() -> None:

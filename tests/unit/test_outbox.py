@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from syncer.coordinator import Coordinator
-from syncer.effects import Peer, Send
-from syncer.leases import Leases
-from syncer.tape import EventTape
+from syncer.core.effects import Peer, Send
+from syncer.core.leases import Leases
+from syncer.durability.tape import EventTape
+from syncer.service.coordinator import Coordinator
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.messages import BCAST_FULL, Bcast
 from yeto_core.wire.transport import SendTicket

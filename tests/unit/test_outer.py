@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncer.outer import (
+from syncer.merge.outer import (
     ACCUM_KEY,
     COUNT_KEY,
     STEPS_KEY,

@@ -1,4 +1,4 @@
-"""The run planner's arithmetic (`syncer/plan.py`, `syncer/plan_cli.py`) against hand-computed cases,
+"""The run planner's arithmetic (`syncer/tools/plan.py`, `syncer/tools/plan_cli.py`) against hand-computed cases,
 the yeto code it mirrors (layout, codecs, frames, model shapes), its refusals, and the CLI."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from syncer.plan import (
+from syncer.tools.plan import (
     GIB,
     RUNTIME_BYTES,
     Choice,
@@ -33,8 +33,8 @@ from syncer.plan import (
     push_wire_bytes,
     recommend,
 )
-from syncer.plan_cli import main
-from syncer.plan_model import PRESETS, decoder_tensors, lora_tensors
+from syncer.tools.plan_cli import main
+from syncer.tools.plan_model import PRESETS, decoder_tensors, lora_tensors
 from yeto_core.codecs import codec_by_name
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import CHUNK_HEADER, HEADER, Bcast, Pull, Push, encode_frame

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from peak_rss import run_measured
 
-from syncer import plan, plan_model
-from syncer.plan_cli import MAX_PROBE_MIB, main
+from syncer.tools import plan, plan_model
+from syncer.tools.plan_cli import MAX_PROBE_MIB, main
 from yeto_core import quant
 from yeto_core.wire.messages import MAX_PROBE_BYTES
 
@@ -148,6 +148,6 @@ def test_an_absurd_count_returns_at_once_in_bounded_memory(tmp_path: Path, absur
         model, says = ["--model", str(config_dir(tmp_path, {**TINY, "num_hidden_layers": 10**9}))], "num_hidden_layers"
     else:
         model, says = ["--preset", "70b", "--islands", "100000000"], "--islands 100000000"
-    code, err, seconds, rss = run_measured([sys.executable, "-m", "syncer.plan", *model, *LINKS], ROOT)
+    code, err, seconds, rss = run_measured([sys.executable, "-m", "syncer.tools.plan_cli", *model, *LINKS], ROOT)
     assert code == 2 and err.count("\n") == 1 and says in err and "Traceback" not in err, err
     assert rss < 200 << 20 and seconds < 60, (rss >> 20, seconds)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from syncer.plot import PLOTS, main
+from syncer.tools.plot import PLOTS, main
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,8 +52,8 @@ def test_a_tape_that_cannot_be_plotted_is_one_line(tmp_path: Path, capsys: pytes
 
 
 def test_a_missing_tape_is_one_line(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "syncer.plot", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=50)
+    done = subprocess.run([sys.executable, "-m", "syncer.tools.plot", str(tmp_path / "nope.jsonl"), "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "does not exist" in done.stderr
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from syncer.plot import main
-from syncer.plot_account import MAX_LINE_BYTES, MAX_SERIES, OTHERS, POINTS, Account, Bars, Rates, Series
+from syncer.tools.plot import main
+from syncer.tools.plot_account import MAX_LINE_BYTES, MAX_SERIES, OTHERS, POINTS, Account, Bars, Rates, Series
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ def test_the_console_entry_answers_in_one_line_without_a_traceback(tmp_path: Pat
     for argv, says in (([str(tape), "--out", plots], "tape.jsonl line 2 is corrupt: nested too deeply"),
                        ([str(tape)], "the following arguments are required: --out"),
                        ([str(tape), "--out"], "argument --out: expected one argument")):
-        done = subprocess.run([sys.executable, "-m", "syncer.plot", *argv], cwd=ROOT, capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "syncer.tools.plot", *argv], cwd=ROOT, capture_output=True,
                               text=True, timeout=50, check=False)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("yeto-plot: ") and says in done.stderr and done.stdout == "", done.stderr

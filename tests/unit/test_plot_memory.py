@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from peak_rss import run_measured
 
-from syncer import plot_account
-from syncer.plot_account import read_account
+from syncer.tools import plot_account
+from syncer.tools.plot_account import read_account
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ LEARNERS, FRAGMENTS = 4, 4
 
 
 def write_tape(path: Path, rounds: int) -> int:
-    """A tape of `rounds` launch and commit records shaped as `syncer/commit.py` writes them; its size."""
+    """A tape of `rounds` launch and commit records shaped as `syncer/core/commit.py` writes them; its size."""
     rng = random.Random(0)
     ids = list(range(LEARNERS))
     with path.open("w") as f:
@@ -52,7 +52,7 @@ def test_peak_rss_does_not_grow_with_the_tapes_length(tmp_path: Path) -> None:
     for rounds in (1_000, 10_000):
         tape = tmp_path / f"tape-{rounds}.jsonl"
         size = write_tape(tape, rounds)
-        code, err, _, rss[rounds] = run_measured([sys.executable, "-m", "syncer.plot", str(tape), "--out",
+        code, err, _, rss[rounds] = run_measured([sys.executable, "-m", "syncer.tools.plot", str(tape), "--out",
                                                   str(tmp_path / f"plots-{rounds}")], ROOT)
         assert code == 0, err
         assert rounds < 10_000 or size > 8_000_000

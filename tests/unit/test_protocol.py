@@ -12,14 +12,26 @@ from typing import Any
 import pytest
 import torch
 
-from syncer.checkpoint import SyncerState
-from syncer.effects import Checkpoint, Close, Decode, Effect, FaultPoint, Log, Merge, Peer, Record, Send, StallTimeout
-from syncer.events import Decoded, Got, Joined, Left, Merged, Stop, Synced
-from syncer.links import Phase
-from syncer.payload import decode_delta
-from syncer.protocol import SyncerProtocol
-from syncer.round_merge import RoundMerger
-from syncer.rounds import RoundState, last_of_fragment
+from syncer.core.effects import (
+    Checkpoint,
+    Close,
+    Decode,
+    Effect,
+    FaultPoint,
+    Log,
+    Merge,
+    Peer,
+    Record,
+    Send,
+    StallTimeout,
+)
+from syncer.core.events import Decoded, Got, Joined, Left, Merged, Stop, Synced
+from syncer.core.links import Phase
+from syncer.core.payload import decode_delta
+from syncer.core.protocol import SyncerProtocol
+from syncer.core.rounds import RoundState, last_of_fragment
+from syncer.durability.checkpoint import SyncerState
+from syncer.merge.round_merge import RoundMerger
 from yeto_core.codecs import F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
@@ -293,8 +305,8 @@ def test_with_iso_workers_merges_are_prepared_ahead_and_still_committed_in_round
     (`Prepare`), so their SVDs overlap in the pool. Round 1's comes back first and waits; round 0's
     merge, then round 1's, each use the half prepared for it, and commit in round order, to the
     same state as the serial merges."""
-    from syncer.effects import Prepare
-    from syncer.events import Prepared
+    from syncer.core.effects import Prepare
+    from syncer.core.events import Prepared
 
     d = Driver(merge="iso", iso_worker_devices="cpu", pipeline=2)
     serial = Driver(merge="iso", pipeline=2)

@@ -1,22 +1,22 @@
-"""One round's merge (syncer/round_merge.py) and payload checks (syncer/payload.py) against the pure
+"""One round's merge (syncer/merge/round_merge.py) and payload checks (syncer/core/payload.py) against the pure
 pieces they compose."""
 
 import pytest
 import torch
 
-from syncer.correction import HelocoConfig
-from syncer.merge import (
+from syncer.core.payload import decode_delta, finite_f32_part, payload_problem, payload_screen
+from syncer.core.rounds import Answer
+from syncer.merge.correction import HelocoConfig
+from syncer.merge.merge import (
     Segment,
     learner_weights,
     merge_deltas,
     outer_gradient,
     segment_sq_norms,
 )
-from syncer.outer import STEP_CHUNK, Nesterov, make_outer_optimizer, nesterov_step
-from syncer.payload import decode_delta, finite_f32_part, payload_problem, payload_screen
-from syncer.plan import STEP_TEMP_ELEMENTS
-from syncer.round_merge import MergeWorkspace, merge_round, screen_step
-from syncer.rounds import Answer
+from syncer.merge.outer import STEP_CHUNK, Nesterov, make_outer_optimizer, nesterov_step
+from syncer.merge.round_merge import MergeWorkspace, merge_round, screen_step
+from syncer.tools.plan import STEP_TEMP_ELEMENTS
 from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import Init, Push
@@ -77,8 +77,8 @@ def test_delayed_nesterov_keeps_its_window_in_the_outer_state() -> None:
 @pytest.mark.parametrize("optimizer", ["nesterov", "delayed-nesterov"])
 def test_the_fragments_version_counts_its_outer_steps_for_the_momentum_warmup(optimizer: str) -> None:
     # A resumed syncer continues the warm-up: the count is the version, which a checkpoint keeps.
-    from syncer.checkpoint import SyncerState
-    from syncer.round_merge import RoundMerger, fragment_segments
+    from syncer.durability.checkpoint import SyncerState
+    from syncer.merge.round_merge import RoundMerger, fragment_segments
     from yeto_core.settings import SyncerSettings
 
     layout = build_layout((TensorSpec("w", (10,), "float32"),), 1, "binpack")

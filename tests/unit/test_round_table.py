@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from syncer.round_table import TRANSITIONS, IllegalTransition, RoundTable
-from syncer.rounds import Attempt, RoundState
+from syncer.core.round_table import TRANSITIONS, IllegalTransition, RoundTable
+from syncer.core.rounds import Attempt, RoundState
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from syncer.rounds import (
+from syncer.core.rounds import (
     Answer,
     Attempt,
     PushFate,

@@ -1,4 +1,4 @@
-"""One writer per run: the advisory locks beside a syncer's checkpoint and tape (`syncer/run_lock.py`)."""
+"""One writer per run: the advisory locks beside a syncer's checkpoint and tape (`syncer/durability/run_lock.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from syncer.run_lock import RunLock, RunLockError, lock_path_of
+from syncer.durability.run_lock import RunLock, RunLockError, lock_path_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 HOLDER = """
 import subprocess, sys, time
 from pathlib import Path
-from syncer.run_lock import RunLock
+from syncer.durability.run_lock import RunLock
 lock = RunLock()
 lock.acquire("--checkpoint", Path(sys.argv[1]))
 child = 0

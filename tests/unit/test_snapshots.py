@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncer import snapshots
-from syncer.checkpoint import CheckpointError, SyncerState, load_checkpoint
-from syncer.leases import Leases
-from syncer.snapshots import CheckpointWriter
+from syncer.core.leases import Leases
+from syncer.durability import snapshots
+from syncer.durability.checkpoint import CheckpointError, SyncerState, load_checkpoint
+from syncer.durability.snapshots import CheckpointWriter
 from yeto_core.layout import TensorSpec, build_layout
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from syncer.status import RATE_WINDOW_S, RECENT_ROUNDS, StatusBoard
+from syncer.web.status import RATE_WINDOW_S, RECENT_ROUNDS, StatusBoard
 
 SHAPE = {"learners": 2, "quorum": 2, "fragments": 2, "pattern": "binpack", "pipeline": 2, "total_rounds": 0,
          "merge": "rda", "device": "cpu"}

@@ -1,6 +1,6 @@
 """A stop request (a signal) ends every wait of the syncer within a moment: checkpoint retries and
 writes, background writes, the coordinator's checkpoint effects; the last checkpoint stays as it
-was (`syncer/stopping.py`)."""
+was (`syncer/durability/stopping.py`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from syncer_harness import RecordingTape, SyncerUnderTest
 
-from syncer.checkpoint import SyncerState, load_checkpoint, save_checkpoint
-from syncer.checkpointing import Checkpointing
-from syncer.leases import Leases
-from syncer.links import Phase
-from syncer.snapshots import CheckpointWriter
-from syncer.stopping import Stopped, StopRequest
+from syncer.core.leases import Leases
+from syncer.core.links import Phase
+from syncer.durability.checkpoint import SyncerState, load_checkpoint, save_checkpoint
+from syncer.durability.checkpointing import Checkpointing
+from syncer.durability.snapshots import CheckpointWriter
+from syncer.durability.stopping import Stopped, StopRequest
 from yeto_core.faults import NO_FAULTS
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import Bcast

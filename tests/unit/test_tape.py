@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import syncer.tape as tape_module
-from syncer.tape import EventTape, TapeError, read_tape
+import syncer.durability.tape as tape_module
+from syncer.durability.tape import EventTape, TapeError, read_tape
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,10 @@
-"""The shell's own figures (`syncer/traffic.py`): wire sizes by codec, broadcast timing, ticket callbacks."""
+"""The shell's own figures (`syncer/service/traffic.py`): wire sizes by codec, broadcast timing, ticket callbacks."""
 
 from __future__ import annotations
 
 import threading
 
-from syncer.traffic import CONTROL, BroadcastTimer, wire_size
+from syncer.service.traffic import CONTROL, BroadcastTimer, wire_size
 from yeto_core.codecs import F32, codec_by_name
 from yeto_core.wire.messages import HEADER, Bcast, Heartbeat, Pull, Push
 from yeto_core.wire.transport import SendTicket

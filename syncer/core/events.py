@@ -1,0 +1,109 @@
+"""What the syncer's protocol is told: every event it handles, and who produces it.
+
+The server's threads post `Connected` (a connection group passed its handshake; the shell keeps
+the group and hands the protocol its `Joined`), `Got` (a message from a learner, with its
+payload) and `Left` (a group closed); the decode pool posts `Decoded`, the prepare threads
+`Prepared`. The shell itself produces `Merged` and `Synced` when it has performed a merge the
+protocol asked for, and `Stop` when the run must end without finalizing (a signal, a lost
+checkpoint disk, a failed iso worker). The protocol handles them one
+at a time, in the order they come (`protocol.SyncerProtocol.handle`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from syncer.merge.round_merge import MergeOutcome
+from yeto_core.wire.messages import Manifest, Message, Push
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A learner's connection group passed its handshake. `conflict`: why its id is taken by
+    another live process (the shell's view of the holder's group), or None."""
+
+    learner_id: int
+    generation: int
+    fingerprint: bytes
+    wire_dtype: int
+    manifest: Manifest | None
+    flags: int = 0
+    push_block: int = 0
+    instance: bytes = b""
+    peer: str = ""
+    conflict: str | None = None
+
+
+@dataclass(frozen=True)
+class Connected:
+    """From the server: a new connection group (the shell's, for sending) and what it said."""
+
+    group: Any  # a `ConnectionGroup`, or an in-memory one in tests
+    joined: Joined
+
+
+@dataclass(frozen=True)
+class Got:
+    learner_id: int
+    generation: int
+    msg: Message
+    payload: memoryview | None
+    screened: bool | None = None  # the screen's verdict on a bulk payload, if it screened it
+
+
+@dataclass(frozen=True)
+class Left:
+    learner_id: int
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A push's delta, or the reason it is unusable, back from the decode pool."""
+
+    learner_id: int
+    generation: int
+    attempt: int
+    msg: Push
+    delta: torch.Tensor | str
+
+
+@dataclass(frozen=True)
+class Merged:
+    """The merge of `round` that the protocol asked for (`effects.Merge`) is done: its outcome."""
+
+    round: int
+    outcome: MergeOutcome
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The heavy half of attempt `attempt`'s merge (`effects.Prepare`) is done; the shell keeps the
+    result for the `Merge` that names it. A failure never reaches the protocol: the shell stops."""
+
+    round: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Synced:
+    """The commit of `round` held the coordinator `seconds`: its merge, checkpoint and the hand-over
+    of its sends (ξ_sync of the grace window)."""
+
+    round: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the run now, without finalizing: committed state is already on disk."""
+
+    exit_code: int = 0
+    reason: str = "stop requested"
+
+
+Event = Joined | Got | Left | Decoded | Merged | Prepared | Synced | Stop

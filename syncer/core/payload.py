@@ -1,0 +1,76 @@
+"""Push and INIT payloads (DESIGN §7.5): whether one can be used under the session's codec, the
+transport's chunk-by-chunk screen for NaN and Inf, and decoding a push into its f32 delta."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from syncer.merge.merge import check_finite
+from yeto_core.codecs import F32, Codec
+from yeto_core.layout import Layout
+from yeto_core.wire.messages import Init, Message, Push
+
+
+def payload_problem(layout: Layout, msg: Push, payload: memoryview | None, codec: Codec) -> str | None:
+    """Why a push's payload cannot be used under the session's agreed `codec`, or None."""
+    if msg.fragment >= layout.num_fragments:
+        return f"fragment {msg.fragment} does not exist ({layout.num_fragments} fragments)"
+    if msg.steps < 1:
+        return "push reports zero steps"
+    if msg.codec != codec.wire_id:
+        return f"push codec id {msg.codec} differs from the session contract ({codec.name}, id {codec.wire_id})"
+    expected = codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
+    if payload is None or len(payload) != expected:
+        return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
+    return None
+
+
+def finite_f32_part(part: memoryview) -> bool:
+    """Whether one received chunk of an f32 payload holds no NaN or ±Inf (a part whose size is not
+    whole floats passes: `payload_problem` refuses the push for its size).
+
+    One read pass: the sum of squares is finite when every value is (NaN and Inf propagate
+    through it); only a sum that overflows, or a poisoned one, pays for the element-wise check.
+    `np.vdot` runs on the calling reader thread alone: a torch reduction would start a thread
+    team per reader thread and oversubscribe the cores of a syncer with many connections.
+    """
+    if len(part) % 4 or not len(part):
+        return True
+    values = np.frombuffer(part, dtype=np.float32)
+    return bool(np.isfinite(np.vdot(values, values))) or bool(np.isfinite(values).all())
+
+
+def payload_screen(msg: Message) -> Callable[[memoryview], bool] | None:
+    """The transport's screen for a syncer: f32 pushes and INIT fragments are checked for NaN/Inf
+    chunk by chunk as they arrive, on the reader threads, so the coordinator need not read the
+    payload again. (Quantized pushes are checked as they are decoded.)"""
+    if isinstance(msg, Push | Init) and msg.codec == F32.wire_id:
+        return finite_f32_part
+    return None
+
+
+def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
+                 screened: bool | None = None) -> torch.Tensor | str:
+    """The push's f32 delta, or why it cannot be used (a bad block header or scale, NaN, Inf).
+
+    `screened` is the transport's verdict when `payload_screen` already checked every chunk of an
+    f32 payload for finiteness (True: all finite), None when it did not.
+    """
+    if codec is F32 and screened is False:
+        return f"delta for fragment {msg.fragment} contains NaN or Inf"
+    if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
+        delta = torch.frombuffer(payload, dtype=torch.float32)
+        if screened:
+            return delta
+    else:
+        delta = torch.empty(layout.fragments[msg.fragment].numel, dtype=torch.float32)
+        try:
+            codec.decode(payload, delta)
+        except ValueError as exc:
+            return f"push for fragment {msg.fragment}: {exc}"
+    if check_finite(delta.view(1, -1)) is not None:
+        return f"delta for fragment {msg.fragment} contains NaN or Inf"
+    return delta

@@ -1,0 +1,293 @@
+"""One round's merge, as a function of tensors and settings (DESIGN §5).
+
+The protocol asks for the merge of a closed round (`effects.Merge`) and the shell's
+`RoundMerger` performs it: this module corrects stale deltas (HeLoCo, optional), weights the
+learners (tokens²/steps), merges (RDA per tensor), and takes the outer optimizer step in place
+on the fragment's params and momentum, unless it would overflow them: such a round is merged
+again without the learner whose delta is largest. No sockets, no clocks but a stopwatch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from syncer.core.rounds import Answer
+from syncer.durability.checkpoint import SyncerState
+from syncer.merge.correction import HelocoConfig, heloco_correct
+from syncer.merge.merge import (
+    Flattener,
+    Rows,
+    Segment,
+    accurate_norm,
+    learner_weights,
+    merge_deltas,
+    segment_sq_norms,
+)
+from syncer.merge.outer import ACCUM_KEY, COUNT_KEY, STEP_CHUNK, STEPS_KEY, OuterOptimizer, OuterState, outer_optimizer
+from yeto_core.layout import Layout, TensorSlot
+from yeto_core.sections import MergeSettings
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+HEADROOM = 0.999
+"""The share of float32's range a bounded step may reach: a handful of roundings cannot cross it."""
+
+
+@dataclass(frozen=True)
+class MergeOutcome:
+    answers: list[Answer]  # in learner-id order, the order they were merged in; empty if none could be
+    weights: list[float]
+    outer_grad_norm: float
+    delta_norms: list[float]
+    merge_ms: float
+    overflowed: dict[int, float] = field(default_factory=dict)  # learner -> largest |value| of its delta
+
+
+class MergeWorkspace:
+    """Scratch tensors kept from one merge to the next. A merge needs the merged delta and a chunk of
+    the outer step's temporary (with HeLoCo, a corrected copy of the deltas too); a fresh 64 MiB CPU
+    tensor faults in every page as it is first
+    written (~16 ms here, allocations that size are always fresh memory), which made up most of
+    a merge. Each buffer grows to the largest fragment merged and is viewed at the size asked."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel].view(shape)
+
+
+def fragment_segments(layout: Layout, merge: str) -> list[list[Segment]]:
+    """Per fragment, its tensors' spans and whether RDA merges each (`--merge rda` and `iso`:
+    every tensor, the embedding's too) or the plain weighted average does (`average`); with
+    `iso`, which are the 2-D matrices, embeddings aside, whose merged update gets a flat spectrum."""
+    def segment(s: TensorSlot) -> Segment:
+        iso = merge == "iso" and not s.embedding and len(s.shape) == 2
+        return Segment(s.offset, s.numel, rda=merge in ("rda", "iso"),
+                       iso_shape=(int(s.shape[0]), int(s.shape[1])) if iso else None, name=s.name)
+
+    return [[segment(s) for s in frag.slots] for frag in layout.fragments]
+
+
+class RoundMerger:
+    """The merges the protocol asks for, on the run's own tensors: one outer optimizer, HeLoCo's
+    settings, the merge threads and a workspace kept from round to round. Whatever the outer
+    optimizer remembers between rounds (delayed Nesterov's accumulator and count) lives in the
+    `SyncerState`, so a checkpoint holds it and a resume continues it."""
+
+    def __init__(self, merging: MergeSettings, *, iso: Flattener | None = None) -> None:
+        self.iso = iso  # the iso worker pool, when there is one
+        self.outer = outer_optimizer(merging)
+        # HeLoCo's confidence compares against an averaged momentum; ours is a 1/(1−μ)-longer sum.
+        self.heloco = (HelocoConfig(momentum_scale=1.0 - merging.outer_momentum)
+                       if merging.delta_correction == "heloco" else None)
+        self.threads = merging.merge_threads
+        self.workspace = MergeWorkspace()
+
+    def prepare(self, momentum: torch.Tensor, answers: list[Answer], segments: list[Segment]) -> PreparedMerge:
+        """The heavy half of a merge, on any thread (its own scratch: the workspace is the commit's)."""
+        return prepare_merge(answers, momentum=momentum, segments=segments, heloco=self.heloco,
+                             threads=self.threads, iso=self.iso)
+
+    def run(self, state: SyncerState, fragment: int, answers: list[Answer], segments: list[Segment],
+            prepared: PreparedMerge | None = None) -> MergeOutcome:
+        """Merge `answers` into fragment `fragment` of `state`, in place (the caller has made its
+        tensors writable: `leases.py`); `prepared`: its heavy half, done ahead by `prepare`."""
+        f = fragment
+        # The fragment's version counts its outer steps: the momentum's warm-up resumes with it.
+        outer_state: OuterState = {STEPS_KEY: state.versions[f]}
+        if state.outer_accum is not None:
+            outer_state.update({ACCUM_KEY: state.outer_accum[f], COUNT_KEY: state.outer_count[f]})
+        out = merge_round(answers, params=state.params[f], momentum=state.momentum[f], outer_state=outer_state,
+                          segments=segments, outer=self.outer, heloco=self.heloco, threads=self.threads,
+                          workspace=self.workspace, iso=self.iso, prepared=prepared)
+        if out.answers and state.outer_accum is not None:
+            accum = outer_state[ACCUM_KEY]
+            assert isinstance(accum, torch.Tensor)
+            state.outer_accum[f], state.outer_count[f] = accum, int(outer_state[COUNT_KEY])
+        return out
+
+
+@dataclass(frozen=True)
+class PreparedMerge:
+    """The heavy half of a round's merge, done ahead of its commit (`prepare_merge`): the learners'
+    weights and the outer gradient of every delta whose norm fits float32. Only the outer step is
+    left, and it reads nothing this half wrote but `grad`."""
+
+    ordered: list[Answer]  # in learner-id order, without the overflowed
+    norms: dict[int, float]
+    overflowed: dict[int, float]
+    weights: torch.Tensor | None
+    grad: torch.Tensor | None
+    ms: float
+
+
+def prepare_merge(
+    answers: list[Answer],
+    *,
+    momentum: torch.Tensor,
+    segments: list[Segment],
+    heloco: HelocoConfig | None,
+    threads: int = 1,
+    workspace: MergeWorkspace | None = None,
+    iso: Flattener | None = None,
+) -> PreparedMerge:
+    """Weights and outer gradient of `answers` (RDA, and with `--merge iso` the SVDs). It reads
+    the fragment's momentum (HeLoCo) and no params, so it may run before the rounds ahead of it
+    commit, as long as none of them is on the same fragment."""
+    t0 = time.perf_counter()
+    ordered = sorted(answers, key=lambda a: a.learner_id)
+    # One pass over the deltas takes every learner's norm per tensor: RDA weighs its directions by
+    # them, and their sum is the delta's norm for the tape.
+    deltas = _rows(ordered, momentum, workspace, heloco)
+    sq = segment_sq_norms(deltas, segments, threads=threads)
+    totals = sq.sum(dim=1).tolist()
+    norms = {a.learner_id: math.sqrt(t) for a, t in zip(ordered, totals, strict=True)}
+    # A delta whose norm does not fit float32 (values past ~1e19 do that) cannot be weighed by RDA.
+    overflowed = {a.learner_id: max_abs(a.delta) for a in ordered if not math.isfinite(norms[a.learner_id])}
+    if overflowed:  # rare: the rows left are stacked again
+        keep = [i for i, a in enumerate(ordered) if a.learner_id not in overflowed]
+        ordered = [ordered[i] for i in keep]
+        if ordered:
+            deltas, sq = _rows(ordered, momentum, workspace, heloco), sq[keep]
+    weights = grad = None
+    if ordered:
+        weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
+                                        threads=threads, workspace=workspace, iso=iso, stacked=(deltas, sq))
+    return PreparedMerge(ordered, norms, overflowed, weights, grad, (time.perf_counter() - t0) * 1000)
+
+
+def merge_round(
+    answers: list[Answer],
+    *,
+    params: torch.Tensor,
+    momentum: torch.Tensor,
+    outer_state: dict[str, Any],
+    segments: list[Segment],
+    outer: OuterOptimizer,
+    heloco: HelocoConfig | None,
+    threads: int = 1,
+    workspace: MergeWorkspace | None = None,
+    iso: Flattener | None = None,
+    prepared: PreparedMerge | None = None,
+) -> MergeOutcome:
+    """Merge one fragment's answers into `params` / `momentum` (in place), never into NaN or Inf.
+
+    Every delta is finite when it gets here, yet finite values can still overflow: a delta of
+    3e38 averaged and stepped with momentum makes the fragment Inf. So the step is screened
+    first (`screen_step`); a merge that would overflow is done again without the learner whose
+    delta is largest, until one fits. Those learners are in `overflowed`; when none fits, nothing
+    is written and `answers` is empty. `prepared`: the first merge, done ahead (`prepare_merge`)
+    on these same answers; the outcome is the same bits as without it.
+    """
+    t0 = time.perf_counter()
+    first = prepared or prepare_merge(answers, momentum=momentum, segments=segments, heloco=heloco,
+                                      threads=threads, workspace=workspace, iso=iso)
+    spent_ms = first.ms if prepared is not None else 0.0  # its time counts as the merge's
+    ordered, norms, overflowed = list(first.ordered), first.norms, dict(first.overflowed)
+    weights, grad = first.weights, first.grad
+    while ordered:
+        if grad is None or weights is None:
+            weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
+                                            threads=threads, workspace=workspace, iso=iso)
+        scratch = None if workspace is None else workspace.take("step", (min(params.numel(), STEP_CHUNK),),
+                                                                params.device)
+        grad_norm = accurate_norm(grad)
+        if screen_step(outer, params, momentum, grad, outer_state, grad_norm=grad_norm, scratch=scratch):
+            return MergeOutcome(ordered, [float(w) for w in weights], grad_norm,
+                                [norms[a.learner_id] for a in ordered],
+                                spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
+        largest = [max_abs(a.delta) for a in ordered]
+        worst = max(range(len(ordered)), key=lambda i: largest[i])
+        overflowed[ordered.pop(worst).learner_id] = largest[worst]
+        weights = grad = None
+    return MergeOutcome([], [], 0.0, [], spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
+
+
+def _rows(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspace | None,
+          heloco: HelocoConfig | None) -> Rows:
+    """The learners' deltas as the merge reads them: the pushes themselves, where they were received
+    (stacking them would hold a round's M·N floats twice). HeLoCo rewrites the rows it corrects, and a
+    round merged again after an overflow must find the pushes as they came: it gets a stacked copy
+    (in the workspace, when given). A delta on another device than the fragment is moved there."""
+    rows = [a.delta if a.delta.device == momentum.device else a.delta.to(momentum.device) for a in ordered]
+    if heloco is None:
+        return rows
+    stacked = None if workspace is None else workspace.take("deltas", (len(rows), momentum.numel()),
+                                                            momentum.device)
+    return list(torch.stack(rows, out=stacked).unbind())
+
+
+def _outer_gradient(
+    ordered: list[Answer], *, momentum: torch.Tensor, segments: list[Segment],
+    heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None, iso: Flattener | None = None,
+    stacked: tuple[Rows, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learners' weights and the fragment's outer gradient; `stacked`: the `ordered` deltas
+    stacked already, with their `segment_sq_norms`."""
+    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered])
+    deltas, sq = stacked if stacked is not None else (_rows(ordered, momentum, workspace, heloco), None)
+    if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
+        for row in deltas:
+            heloco_correct(row, momentum, segments, heloco, out=row)
+        sq = None  # the corrected rows have norms of their own
+    if sq is None:
+        sq = segment_sq_norms(deltas, segments, threads=threads)
+    out = None if workspace is None else workspace.take("merged", (momentum.numel(),), momentum.device)
+    # Δ = −merged, written by the merge itself: the negation costs no pass of its own.
+    grad = merge_deltas(deltas, weights.to(device=momentum.device, dtype=torch.float32), segments, out=out,
+                        threads=threads, iso=iso, sq_norms=sq, negate=True)
+    return weights, grad
+
+
+def max_abs(x: torch.Tensor) -> float:
+    """The largest |value| of `x` (one read pass, no temporary)."""
+    return float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
+
+
+def screen_step(
+    outer: OuterOptimizer, params: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
+    state: dict[str, Any], *, grad_norm: float | None = None, scratch: torch.Tensor | None = None,
+) -> bool:
+    """Take the outer step in place if everything it writes stays finite; else write nothing.
+
+    The usual case costs one fast read of params and momentum: ‖x‖₂ ≥ max|x|, so when the
+    optimizer's bound on its values (`OuterOptimizer.bound`) from the inputs' L2 norms stays
+    inside float32, nothing can overflow and the step runs in place. (`grad_norm`, ‖grad‖, is
+    taken anyway for the tape.) Norms of values past ~1e19 overflow themselves: then the bound is
+    taken again from the exact largest magnitudes, and past that too the step is tried on copies
+    and kept (copied back, bit for bit the in-place result) if all it produced is finite.
+    """
+    accum = state.get(ACCUM_KEY)
+    held = accum if isinstance(accum, torch.Tensor) else None
+    norm_bound = outer.bound(param=accurate_norm(params), momentum=accurate_norm(momentum),
+                             grad=accurate_norm(grad) if grad_norm is None else grad_norm,
+                             accum=0.0 if held is None else accurate_norm(held))
+    if norm_bound < HEADROOM * FLOAT32_MAX or outer.bound(
+            param=max_abs(params), momentum=max_abs(momentum), grad=max_abs(grad),
+            accum=0.0 if held is None else max_abs(held)) < HEADROOM * FLOAT32_MAX:
+        outer.step(params, momentum, grad, state, scratch=scratch)
+        return True
+    trial_params, trial_momentum = params.clone(), momentum.clone()
+    trial_state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    outer.step(trial_params, trial_momentum, grad, trial_state)
+    written = [trial_params, trial_momentum, *(v for v in trial_state.values() if isinstance(v, torch.Tensor))]
+    if not all(bool(torch.isfinite(t).all()) for t in written):
+        return False
+    params.copy_(trial_params)
+    momentum.copy_(trial_momentum)
+    for k, v in trial_state.items():
+        kept = state.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(kept, torch.Tensor):
+            kept.copy_(v)
+        else:
+            state[k] = v
+    return True
