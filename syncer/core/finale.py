@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from syncer.core.effects import Checkpoint, FaultPoint, Log
+from syncer.core.lifecycle import Life
 from syncer.core.links import Link, Phase
 from syncer.core.outbox import Outbox
 from syncer.core.run_state import RunState
@@ -20,34 +21,20 @@ class Finale:
         self.shared = run
         self.outbox = outbox
         self.deadline = 0.0
-        # Learners a finalizing syncer waits for even while they are not connected, until the
-        # deadline: those that trained and lost their link without saying goodbye before the
-        # final cut went out, and after a resume from a final checkpoint everyone who trained.
-        self.expected: set[int] = set()
-        self.acked: set[int] = set()
 
     def on_bye(self, link: Link) -> None:
         """A learner said goodbye: after the final cut, it has it; before, it stopped on purpose."""
-        link.said_bye = True
-        link.acked = link.final_sent
-        if link.acked:
-            self.acked.add(link.learner_id)
-        elif self.shared.state is None or not self.shared.state.finalized:
-            self.expected.discard(link.learner_id)
-
-    def note_departure(self, link: Link) -> None:
-        """A learner's connection ended: whom a finalizing syncer still waits for. Only its goodbye
-        says it has the final cut: a FINAL handed to a connection that then died may never have
-        arrived, so such a learner is expected back like one that never got it."""
-        if link.said_bye or self.shared.state is None:
-            return
-        # It trained on this run's model (merged or not yet) and may come back (a crash, a stall,
-        # a cut link): a finalizing syncer waits for it, until the deadline, so it still gets the cut.
-        self.expected.add(link.learner_id)
+        lives, lid = self.shared.lives, link.learner_id
+        state = lives.get(lid)
+        if state is Life.CUT_SENT:
+            lives.move(lid, Life.HAS_CUT, self.shared.now)
+        elif state in (Life.TRAINING, Life.FINISHED):
+            lives.move(lid, Life.QUIT, self.shared.now)
 
     def wait_over(self, now: float) -> bool:
-        unacked = {lid for lid, link in self.shared.links.items() if not link.acked}
-        waiting = sorted(unacked | (self.expected - self.acked))
+        """Whether finalizing is over: every learner that may still want the cut has it, or the
+        deadline passed (a learner that trained and lost its link may come back until then)."""
+        waiting = self.shared.lives.waited_for()
         if waiting and now <= self.deadline:
             return False
         if waiting:

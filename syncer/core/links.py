@@ -37,10 +37,7 @@ class Link:
     codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
     bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
     consensus: bool = False  # takes CONSENSUS messages (HELLO_CONSENSUS)
-    final_sent: bool = False
-    acked: bool = False
     overlap: bool = False  # rebases on its merged pushes (DESIGN §3.3, §4.6): its late pushes are refused, not carried
-    said_bye: bool = False  # left on purpose: a finalizing syncer does not wait for it to return
     instance: bytes = b""  # the learner process's HELLO.instance (all zeros: it named none)
     address: str = ""  # where its control stream connects from
 

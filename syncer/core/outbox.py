@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from syncer.core.effects import FaultPoint, Send
+from syncer.core.lifecycle import Life
 from syncer.core.links import Link
 from syncer.core.rounds import last_of_fragment
 from syncer.core.run_state import RunState
@@ -88,4 +89,6 @@ class Outbox:
         for i in range(p):
             msg = Final(i, self.shared.state.versions[i], p, self.shared.state.next_round, 0, 0, F32.wire_id)
             self.shared.emit(Send(link.peer, msg, committed=i))
-        link.final_sent = True
+        lives = self.shared.lives
+        if lives.get(link.learner_id) in (Life.TRAINING, Life.FINISHED):  # one that said goodbye stays QUIT
+            lives.move(link.learner_id, Life.CUT_SENT, self.shared.now)

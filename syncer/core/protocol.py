@@ -31,12 +31,15 @@ from syncer.core.effects import Checkpoint, Close, Effect, FaultPoint, Log, Merg
 from syncer.core.events import Decoded, Event, Got, Joined, Left, Merged, Prepared, Stop, Synced
 from syncer.core.finale import Finale
 from syncer.core.intake import PushIntake
+from syncer.core.lifecycle import Life
 from syncer.core.links import Link, Phase, backend_id, layout_mismatch, scheduler_config
 from syncer.core.outbox import Outbox
 from syncer.core.round_table import RoundTable
 from syncer.core.rounds import (
     Answer,
     Attempt,
+    Hold,
+    Launch,
     RoundState,
     Verdict,
     answer_ages,
@@ -112,7 +115,7 @@ class SyncerProtocol:
         self._started = now
         self._attempts = 0
         self._last_launch: float | None = None
-        self._last_wait_reason = ""
+        self._held: Launch | None = None  # why the last launch check launched nothing
         self._merging: int | None = None  # the round whose merge the shell is performing
         # With iso workers the heavy half of each merge runs ahead (`effects.Prepare`): the SVDs of
         # rounds on different fragments overlap in the pool while commits stay in round order.
@@ -131,12 +134,11 @@ class SyncerProtocol:
             # Every learner in the ledger trained for this run and lost its link with the syncer that
             # stopped: like one that left while training, it is waited for (`--rejoin-wait-s`), and a
             # finalizing syncer expects it until its final timeout, so it still gets the final cut.
-            self.finale.expected = trained
+            for lid in trained:
+                self.shared.lives.expect(lid, Life.LOST if state.finalized else Life.AWAY, now)
             if state.finalized:
                 # Its effects (the final cut to nobody yet) are returned by the first turn.
                 self.finale.begin("the resumed checkpoint is already final", save=False)
-            else:
-                self.shared.away.update(dict.fromkeys(trained, now))
 
     # -- the run as others see it (read-only) ---------------------------------------------------
     @property
@@ -165,7 +167,7 @@ class SyncerProtocol:
         collecting = self.shared.rounds.collecting()
         soon = [a.deadline for a in collecting]
         soon += [a.quorum_at + a.grace_s for a in collecting if a.quorum_at is not None]
-        if self._last_launch is not None and self._last_wait_reason.startswith("throttled"):
+        if self._last_launch is not None and self._held is not None and self._held.hold is Hold.THROTTLED:
             soon.append(now + 0.02)
         return max(0.005, min([0.25, *(t - now for t in soon)]))
 
@@ -236,8 +238,7 @@ class SyncerProtocol:
             # A new process starts from the current state: its first answers are fresh.
             for f, version in enumerate(run.state.versions):
                 run.merged_versions.setdefault(f, {})[ev.learner_id] = version
-        run.finished.discard(ev.learner_id)
-        run.away.pop(ev.learner_id, None)
+        run.lives.joined(ev.learner_id, run.now)
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(run.links))
         run.record({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
         if run.phase is Phase.RUNNING:
@@ -256,9 +257,9 @@ class SyncerProtocol:
         del self.shared.links[ev.learner_id]
         if self.shared.consensus is not None:
             self.shared.consensus.forget(ev.learner_id)
-        self.finale.note_departure(link)
-        if not link.said_bye and ev.learner_id not in self.shared.finished:
-            self.shared.away[ev.learner_id] = self.shared.now  # it may come back to train on
+        # Only a goodbye says a learner stopped, or has the cut: without one it may come back
+        # (a crash, a stall, a cut link), to train on or for the final cut.
+        self.shared.lives.left(ev.learner_id, self.shared.now, trained=self.shared.state is not None)
         log.info("learner %d left (%s)", ev.learner_id, ev.reason)
         self.shared.record({"event": "left", "learner": ev.learner_id, "generation": ev.generation,
                             "reason": ev.reason})
@@ -306,13 +307,10 @@ class SyncerProtocol:
         elif isinstance(msg, Push):
             self.intake.on_push(link, msg, payload, screened)
         elif isinstance(msg, Done):
-            if link.learner_id not in self.shared.finished:
-                self.shared.finished.add(link.learner_id)
-                log.info("learner %d finished training at its step %d", link.learner_id, msg.step)
-                self.shared.record({"event": "done", "learner": link.learner_id, "step": msg.step})
+            self._on_done(link, msg)
         elif isinstance(msg, Bye):
-            if not link.said_bye:  # a learner says it once the final cut is in, and again as it closes
-                log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)
+            if self.shared.lives.get(link.learner_id) not in (Life.HAS_CUT, Life.QUIT):  # said once the cut
+                log.info("learner %d says goodbye (%s)", link.learner_id, msg.reason)  # is in, again at close
             self.finale.on_bye(link)
         elif isinstance(msg, ProbeReport):
             self._on_probe_report(link, msg)
@@ -320,6 +318,16 @@ class SyncerProtocol:
             log.warning("learner %d reports %s: %s", link.learner_id, msg.code.name, msg.reason)
         else:
             self._refuse(link, ErrorCode.PROTOCOL, f"unexpected {msg.TYPE.name} from a learner")
+
+    def _on_done(self, link: Link, msg: Done) -> None:
+        life = self.shared.lives[link.learner_id]
+        if life.done:
+            return
+        life.done = True
+        if life.state is Life.TRAINING:
+            life.move(Life.FINISHED, self.shared.now, link.learner_id)
+        log.info("learner %d finished training at its step %d", link.learner_id, msg.step)
+        self.shared.record({"event": "done", "learner": link.learner_id, "step": msg.step})
 
     def _on_probe_report(self, link: Link, msg: ProbeReport) -> None:
         """A learner's probe summary (DESIGN §8.1); a bad one is refused and the link stays open."""
@@ -384,7 +392,9 @@ class SyncerProtocol:
 
     # -- advancing -----------------------------------------------------------------------------
     def _live(self) -> dict[int, int]:
-        return {lid: link.generation for lid, link in self.shared.links.items() if lid not in self.shared.finished}
+        """Connected learners still training: learner id -> its connection's generation."""
+        lives = self.shared.lives
+        return {lid: link.generation for lid, link in self.shared.links.items() if lives.get(lid) is Life.TRAINING}
 
     def _fleet_step_s(self, learners: Iterable[int]) -> float | None:
         """ξ_step of a set of learners: the median of their smoothed step times."""
@@ -393,7 +403,8 @@ class SyncerProtocol:
         return times[len(times) // 2] if times else None
 
     def _quorum(self) -> int:
-        return attempt_quorum(self.settings.effective_quorum, self.settings.learners, len(self.shared.finished))
+        return attempt_quorum(self.settings.effective_quorum, self.settings.learners,
+                              len(self.shared.lives.finished()))
 
     def _advance(self) -> None:
         run, now = self.shared, self.shared.now
@@ -412,8 +423,8 @@ class SyncerProtocol:
         assert run.state is not None
         live = self._live()
         done, why = should_finalize(next_round=run.state.next_round, total_rounds=self.settings.total_rounds,
-                                    training=len(live), finished=len(run.finished), away=run.away, now=now,
-                                    rejoin_wait_s=self.settings.rejoin_wait_s)
+                                    training=len(live), finished=len(run.lives.finished()),
+                                    away=run.lives.away(), now=now, rejoin_wait_s=self.settings.rejoin_wait_s)
         if done:
             self.finale.begin(why)
             return
@@ -487,16 +498,17 @@ class SyncerProtocol:
         assert run.state is not None and run.layout is not None
         depth = pipeline_depth(self.sched.pipeline, run.layout.num_fragments)
         interval = round_interval(self._fleet_step_s(live), run.layout.num_fragments, self.sched)
-        go, reason = should_launch(now, cfg=self.sched, next_round=self.next_launch, in_flight=len(run.rounds),
-                                   depth=depth, eligible=len(live), quorum=self._quorum(),
-                                   last_launch=self._last_launch, interval_s=interval)
-        if not go:
-            if reason != self._last_wait_reason and not reason.startswith(("throttled", "all ")):
-                log.info("waiting: %s", reason)
-            self._last_wait_reason = reason
+        check = should_launch(now, cfg=self.sched, next_round=self.next_launch, in_flight=len(run.rounds),
+                              depth=depth, eligible=len(live), quorum=self._quorum(),
+                              last_launch=self._last_launch, interval_s=interval)
+        if check.hold is not None:
+            said = check.hold in (Hold.THROTTLED, Hold.BUDGET_SPENT)  # the pace and the budget are no news
+            if not said and (self._held is None or check.reason != self._held.reason):
+                log.info("waiting: %s", check.reason)
+            self._held = check
             return
-        self._last_wait_reason = ""
-        self._launch(self.next_launch, live, reason)
+        self._held = None
+        self._launch(self.next_launch, live, check.reason)
         self.next_launch += 1
 
     def _launch(self, r: int, live: dict[int, int], reason: str) -> None:

@@ -174,6 +174,27 @@ def round_interval(step_s: float | None, num_fragments: int, cfg: SchedulerConfi
     return max(paced, cfg.min_round_interval_s)
 
 
+class Hold(enum.Enum):
+    """Why no round is launched now (the launch decision's type; its reason is the text)."""
+
+    BUDGET_SPENT = "budget spent"  # every round of --total-rounds is launched
+    PIPELINE_FULL = "pipeline full"
+    TOO_FEW_LEARNERS = "too few learners"
+    THROTTLED = "throttled"  # paced to H learner steps per fragment: the next launch has a time
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Launch:
+    """Whether to launch the next round now: `hold` is None to launch, else why not; `reason` says it."""
+
+    hold: Hold | None
+    reason: str
+
+    @property
+    def go(self) -> bool:
+        return self.hold is None
+
+
 def should_launch(
     now: float,
     *,
@@ -185,17 +206,17 @@ def should_launch(
     quorum: int,
     last_launch: float | None,
     interval_s: float,
-) -> tuple[bool, str]:
+) -> Launch:
     """Whether to launch round `next_round` now, and why (not)."""
     if cfg.total_rounds and next_round >= cfg.total_rounds:
-        return False, f"all {cfg.total_rounds} rounds launched"
+        return Launch(Hold.BUDGET_SPENT, f"all {cfg.total_rounds} rounds launched")
     if in_flight >= depth:
-        return False, f"{in_flight} rounds in flight (pipeline {depth})"
+        return Launch(Hold.PIPELINE_FULL, f"{in_flight} rounds in flight (pipeline {depth})")
     if eligible < quorum:
-        return False, f"waiting for learners: {eligible} connected, quorum {quorum}"
+        return Launch(Hold.TOO_FEW_LEARNERS, f"waiting for learners: {eligible} connected, quorum {quorum}")
     if last_launch is not None and now < last_launch + interval_s:
-        return False, f"throttled: one round per {interval_s * 1000:.0f} ms"
-    return True, f"{eligible} learners eligible, quorum {quorum}"
+        return Launch(Hold.THROTTLED, f"throttled: one round per {interval_s * 1000:.0f} ms")
+    return Launch(None, f"{eligible} learners eligible, quorum {quorum}")
 
 
 def decide_round(

@@ -15,6 +15,7 @@ from typing import Any
 
 from syncer.core.consensus import ConsensusBoard
 from syncer.core.effects import Effect, Record
+from syncer.core.lifecycle import Lives
 from syncer.core.links import Link, Phase
 from syncer.core.round_table import RoundTable
 from syncer.durability.checkpoint import SyncerState
@@ -29,8 +30,7 @@ class RunState:
     now: float = 0.0  # the time of the event being handled (the shell's clock)
     links: dict[int, Link] = field(default_factory=dict)  # learner id -> its live connection
     rounds: RoundTable = field(default_factory=RoundTable)
-    finished: set[int] = field(default_factory=set)  # learners that said DONE
-    away: dict[int, float] = field(default_factory=dict)  # learners that left while training -> when
+    lives: Lives = field(default_factory=Lives)  # every learner's state in the run (`lifecycle.py`)
     # fragment -> learner -> the version its last merged answer made (or it started from, on a
     # learner process's first join): how stale its next answer is (`answer_ages`). Not durable: a
     # restarted syncer counts every learner's next answer as fresh.

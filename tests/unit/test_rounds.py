@@ -12,6 +12,7 @@ import torch
 from syncer.core.rounds import (
     Answer,
     Attempt,
+    Hold,
     PushFate,
     RoundState,
     SchedulerConfig,
@@ -256,7 +257,17 @@ def launch(now: float = 10.0, **kw: object) -> tuple[bool, str]:
     base: dict[str, object] = dict(cfg=dataclasses.replace(CFG, total_rounds=10), next_round=0, in_flight=0,
                                    depth=2, eligible=2, quorum=2, last_launch=None, interval_s=0.0)
     base.update(kw)
-    return should_launch(now, **base)  # type: ignore[arg-type]
+    check = should_launch(now, **base)  # type: ignore[arg-type]
+    return check.go, check.reason
+
+
+def test_a_launch_held_back_says_why_as_a_type() -> None:
+    base: dict[str, object] = dict(cfg=dataclasses.replace(CFG, total_rounds=10), next_round=0, in_flight=0,
+                                   depth=2, eligible=2, quorum=2, last_launch=None, interval_s=0.0)
+    holds = [should_launch(10.0, **{**base, **kw}).hold  # type: ignore[arg-type]
+             for kw in ({}, {"next_round": 10}, {"in_flight": 2}, {"eligible": 1},
+                        {"last_launch": 9.5, "interval_s": 1.0})]
+    assert holds == [None, Hold.BUDGET_SPENT, Hold.PIPELINE_FULL, Hold.TOO_FEW_LEARNERS, Hold.THROTTLED]
 
 
 def test_launch_rules() -> None:
