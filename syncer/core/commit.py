@@ -12,8 +12,8 @@ Its one log line comes last, so it is written once the shell has performed all o
 from __future__ import annotations
 
 import logging
-from typing import Any
 
+from syncer.core import records
 from syncer.core.effects import Checkpoint, FaultPoint, Log, Record, Send
 from syncer.core.outbox import Outbox
 from syncer.core.rounds import Attempt, smoothed
@@ -55,39 +55,37 @@ class Commit:
         for a in answers:
             key = ledger_key(a.learner_id, a.generation)
             state.ledger[key] = state.ledger.get(key, 0) + a.tokens
-        record: dict[str, Any] = {
-            "event": "commit", "round": attempt.round, "attempt": attempt.attempt, "fragment": f,
-            "version": state.versions[f], "learners": [a.learner_id for a in answers],
-            "generations": [a.generation for a in answers],
-            "answered": [a.learner_id for a in answers if not a.carried],
-            "carried": [a.learner_id for a in answers if a.carried],
-            "waited_for": sorted(a.learner_id for a in answers if attempt.quorum_at is not None
-                                 and not a.carried and a.at > attempt.quorum_at),
-            "not_waited_for": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid in live),
-            "dropped": sorted(lid for lid in attempt.members if lid not in attempt.answers and lid not in live),
-            "base_versions": [a.base_version for a in answers], "grace_ms": round(attempt.grace_s * 1000, 1),
-            "weights": [round(w, 6) for w in weights], "tokens": [a.tokens for a in answers],
-            "steps": [a.steps for a in answers], "ages": [a.age for a in answers],
-            "delta_norms": [round(n, 6) for n in out.delta_norms],
-            "outer_grad_norm": out.outer_grad_norm, "merge_ms": round(out.merge_ms, 3),
-            "wait_ms": round((run.now - attempt.launched_at) * 1000, 1), "reason": reason,
-        }
-        if out.overflowed:
-            record["overflowed"] = sorted(out.overflowed)
-        if run.consensus is not None:  # DESIGN §8: the learners' JS distance, each fragment's L2 drift
-            record.update(run.consensus.on_commit(f, out.delta_norms))
+        record = records.Commit(
+            round=attempt.round, attempt=attempt.attempt, fragment=f, version=state.versions[f],
+            learners=[a.learner_id for a in answers], generations=[a.generation for a in answers],
+            answered=[a.learner_id for a in answers if not a.carried],
+            carried=[a.learner_id for a in answers if a.carried],
+            waited_for=sorted(a.learner_id for a in answers if attempt.quorum_at is not None
+                              and not a.carried and a.at > attempt.quorum_at),
+            not_waited_for=sorted(lid for lid in attempt.members if lid not in attempt.answers and lid in live),
+            dropped=sorted(lid for lid in attempt.members if lid not in attempt.answers and lid not in live),
+            base_versions=[a.base_version for a in answers], grace_ms=round(attempt.grace_s * 1000, 1),
+            weights=[round(w, 6) for w in weights], tokens=[a.tokens for a in answers],
+            steps=[a.steps for a in answers], ages=[a.age for a in answers],
+            delta_norms=[round(n, 6) for n in out.delta_norms],
+            outer_grad_norm=out.outer_grad_norm, merge_ms=round(out.merge_ms, 3),
+            wait_ms=round((run.now - attempt.launched_at) * 1000, 1), reason=reason,
+            overflowed=sorted(out.overflowed) if out.overflowed else None,
+            # DESIGN §8: the learners' JS distance, each fragment's L2 drift
+            extra=run.consensus.on_commit(f, out.delta_norms) if run.consensus is not None else {},
+        )
         total = run.settings.total_rounds
         last = bool(total) and state.next_round >= total  # finalization writes that cut, once
         due = state.next_round % run.settings.checkpoint_every == 0 and not last
         if due:
             run.emit(Checkpoint())
         run.emit(Record(record, checkpoint_ms=due))
-        self.outbox.broadcast(attempt.round, f, merged=set(record["learners"]))
+        self.outbox.broadcast(attempt.round, f, merged=set(record.learners))
         self.outbox.send_consensus(attempt.round)
-        carried = f" (carried {record['carried']})" if record["carried"] else ""
+        carried = f" (carried {record.carried})" if record.carried else ""
         suffix = run.consensus.log_suffix() if run.consensus is not None else ""
         run.emit(Log(f"round {attempt.round} committed: fragment {f} -> v{state.versions[f]}, learners "
-                     f"{record['learners']}{carried}, weights {[f'{w:.2f}' for w in weights]}, |outer grad| "
+                     f"{record.learners}{carried}, weights {[f'{w:.2f}' for w in weights]}, |outer grad| "
                      f"{out.outer_grad_norm:.4g}, merge {out.merge_ms:.1f} ms ({reason}){suffix}"))
         self._committed = attempt.round
 
@@ -101,8 +99,8 @@ class Commit:
     def discard(self, attempt: Attempt, reason: str) -> None:
         """The attempt is over without a commit: its round is parked, to be launched again."""
         log.warning("round %d attempt %d discarded: %s", attempt.round, attempt.attempt, reason)
-        self.shared.record({"event": "retry", "round": attempt.round, "attempt": attempt.attempt,
-                            "fragment": attempt.fragment, "reason": reason, "answered": sorted(attempt.answers)})
+        self.shared.record(records.Retry(attempt.round, attempt.attempt, attempt.fragment, reason,
+                                         sorted(attempt.answers)))
         self.shared.rounds.park(attempt.round, reason)
 
     def _overflowed(self, attempt: Attempt, learner_id: int, largest: float) -> None:
@@ -110,8 +108,7 @@ class Commit:
         reason = (f"delta for fragment {attempt.fragment} (largest |value| {largest:.3g}) would overflow the merged "
                   f"fragment; round {attempt.round} merged without it")
         log.warning("learner %d: push for round %d refused: %s", learner_id, attempt.round, reason)
-        self.shared.record({"event": "refused", "learner": learner_id, "round": attempt.round, "reason": reason,
-                            "overflow": True})
+        self.shared.record(records.Refused(learner_id, round=attempt.round, reason=reason, overflow=True))
         link = self.shared.links.get(learner_id)
         answer = attempt.answers[learner_id]
         if link is not None and link.generation == answer.generation:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
+from syncer.core.records import TapeRecord
 from syncer.core.rounds import Answer
 from syncer.merge.merge import Segment
 from yeto_core.codecs import Codec
@@ -62,7 +62,7 @@ class Record:
     """Append `record` to the event tape. With `checkpoint_ms`, the shell adds how long the
     checkpoint written just before held the coordinator, as `record["checkpoint_ms"]`."""
 
-    record: dict[str, Any]
+    record: TapeRecord
     checkpoint_ms: bool = False
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from syncer.core import records
 from syncer.core.effects import Checkpoint, FaultPoint, Log
 from syncer.core.lifecycle import Life
 from syncer.core.links import Link, Phase
@@ -46,13 +47,11 @@ class Finale:
         assert state is not None
         for entry in run.rounds.abandon_all("finalizing"):
             if entry.attempt is not None:
-                run.record({"event": "abandon", "round": entry.round, "attempt": entry.attempt.attempt,
-                                 "reason": "finalizing"})
+                run.record(records.Abandon(entry.round, entry.attempt.attempt, "finalizing"))
         state.finalized = True
         if save:
             run.emit(Checkpoint(wait=True))  # durable before any FINAL goes out
-            run.record({"event": "final", "rounds": state.next_round, "versions": state.versions,
-                             "reason": reason, "ledger": dict(state.ledger)})
+            run.record(records.Final(state.next_round, list(state.versions), reason, dict(state.ledger)))
         run.emit(Log(f"finalizing after {state.next_round} rounds: {reason}; sending the final cut to "
                      f"{len(run.links)} learners"))
         run.phase = Phase.FINALIZING

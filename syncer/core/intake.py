@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from syncer.core import records
 from syncer.core.effects import Decode, FaultPoint, Send
 from syncer.core.events import Decoded
 from syncer.core.links import Carried, Link
@@ -60,8 +61,7 @@ class PushIntake:
             self.carried.setdefault(msg.fragment, {})[lid] = Carried(msg, payload, link.generation, link.codec,
                                                                      screened)
             log.info("learner %d: push for round %d carried (%s)", lid, msg.round, problem)
-            self.shared.record({"event": "carry", "learner": lid, "round": msg.round, "fragment": msg.fragment,
-                              "base_version": msg.base_version, "reason": problem})
+            self.shared.record(records.Carry(lid, msg.round, msg.fragment, msg.base_version, problem))
             self.attach_carried(msg.fragment)
             return
         if link.codec is F32:
@@ -101,7 +101,7 @@ class PushIntake:
 
     def refuse_push(self, link: Link, msg: Push, reason: str) -> None:
         log.warning("learner %d: push for round %d refused: %s", link.learner_id, msg.round, reason)
-        self.shared.record({"event": "refused", "learner": link.learner_id, "round": msg.round, "reason": reason})
+        self.shared.record(records.Refused(link.learner_id, round=msg.round, reason=reason))
         self.shared.emit(Send(link.peer, Error(ErrorCode.REFUSED, reason)))
 
     def attach_carried(self, fragment: int) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from syncer.core import records
 from syncer.core.commit import Commit
 from syncer.core.consensus import ConsensusBoard
 from syncer.core.effects import Checkpoint, Close, Effect, FaultPoint, Log, Merge, Prepare, Send, StallTimeout
@@ -226,8 +227,7 @@ class SyncerProtocol:
         if before is not None and before[0] != ev.instance and any(ev.instance):
             log.warning("learner %d replaced: a new process (generation %d, from %s) takes the id over from "
                         "generation %d (from %s)", ev.learner_id, ev.generation, ev.peer, before[1], before[2])
-            run.record({"event": "replaced", "learner": ev.learner_id, "generation": before[1],
-                        "by": ev.generation})
+            run.record(records.Replaced(ev.learner_id, before[1], ev.generation))
         if ev.manifest is not None and run.layout is None:
             self._pin(build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern))
         if run.layout is not None and ev.fingerprint != run.layout.fingerprint:
@@ -240,7 +240,7 @@ class SyncerProtocol:
                 run.merged_versions.setdefault(f, {})[ev.learner_id] = version
         run.lives.joined(ev.learner_id, run.now)
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(run.links))
-        run.record({"event": "join", "learner": ev.learner_id, "generation": ev.generation})
+        run.record(records.Join(ev.learner_id, ev.generation))
         if run.phase is Phase.RUNNING:
             self._member(ev.learner_id)
             run.emit(StallTimeout(link.peer, self.settings.wan_stall_timeout_s))
@@ -261,8 +261,7 @@ class SyncerProtocol:
         # (a crash, a stall, a cut link), to train on or for the final cut.
         self.shared.lives.left(ev.learner_id, self.shared.now, trained=self.shared.state is not None)
         log.info("learner %d left (%s)", ev.learner_id, ev.reason)
-        self.shared.record({"event": "left", "learner": ev.learner_id, "generation": ev.generation,
-                            "reason": ev.reason})
+        self.shared.record(records.Left(ev.learner_id, ev.generation, ev.reason))
 
     def _pin(self, layout: Layout) -> None:
         """Learner 0's manifest defines the model: allocate global state, refuse mismatches."""
@@ -297,7 +296,7 @@ class SyncerProtocol:
 
     def _refuse(self, link: Link, code: ErrorCode, reason: str) -> None:
         log.warning("refusing learner %d: %s", link.learner_id, reason)
-        self.shared.record({"event": "refused", "learner": link.learner_id, "code": code.name, "reason": reason})
+        self.shared.record(records.Refused(link.learner_id, code=code.name, reason=reason))
         self.shared.emit(Close(link.peer, reason, last=Error(code, reason)))  # the ERROR first, then the close
 
     # -- messages ------------------------------------------------------------------------------
@@ -327,7 +326,7 @@ class SyncerProtocol:
         if life.state is Life.TRAINING:
             life.move(Life.FINISHED, self.shared.now, link.learner_id)
         log.info("learner %d finished training at its step %d", link.learner_id, msg.step)
-        self.shared.record({"event": "done", "learner": link.learner_id, "step": msg.step})
+        self.shared.record(records.Done(link.learner_id, msg.step))
 
     def _on_probe_report(self, link: Link, msg: ProbeReport) -> None:
         """A learner's probe summary (DESIGN §8.1); a bad one is refused and the link stays open."""
@@ -383,7 +382,7 @@ class SyncerProtocol:
         for lid in run.links:
             self._member(lid)
         run.emit(Checkpoint())
-        run.record({"event": "init", "fragments": run.state.num_fragments, "fingerprint": run.state.fingerprint.hex()})
+        run.record(records.Init(run.state.num_fragments, run.state.fingerprint.hex()))
         run.emit(Log(f"initial cut ready: broadcasting {run.state.num_fragments} fragments to {len(run.links)} "
                      "learners"))
         for link in list(run.links.values()):
@@ -521,8 +520,7 @@ class SyncerProtocol:
         attempt = Attempt(round=r, attempt=self._attempts, fragment=f, version=version, members=dict(live),
                           quorum=self._quorum(), launched_at=now, deadline=now + self.settings.round_timeout_s)
         run.rounds.launch(attempt, reason)
-        run.record({"event": "launch", "round": r, "attempt": attempt.attempt, "fragment": f, "version": version,
-                    "members": sorted(live), "quorum": attempt.quorum, "reason": reason})
+        run.record(records.Launch(r, attempt.attempt, f, version, sorted(live), attempt.quorum, reason))
         self.intake.attach_carried(f)
         pull = Pull(r, self._attempts, f, version)
         for lid in live:

@@ -11,12 +11,12 @@ never act on the world themselves: they `emit` effects, which `SyncerProtocol.ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from syncer.core.consensus import ConsensusBoard
 from syncer.core.effects import Effect, Record
 from syncer.core.lifecycle import Lives
 from syncer.core.links import Link, Phase
+from syncer.core.records import TapeRecord
 from syncer.core.round_table import RoundTable
 from syncer.durability.checkpoint import SyncerState
 from yeto_core.downlink import DownlinkEncoder
@@ -45,6 +45,6 @@ class RunState:
     def emit(self, effect: Effect) -> None:
         self.effects.append(effect)
 
-    def record(self, record: dict[str, Any]) -> None:
+    def record(self, record: TapeRecord) -> None:
         """An event tape record, in the order of everything else this turn does."""
         self.effects.append(Record(record))

@@ -268,7 +268,7 @@ class Coordinator:
                     if commit and isinstance(effect.msg, Bcast):
                         broadcasts.append(ticket)
             elif isinstance(effect, Record):
-                record = effect.record
+                record = effect.record.as_dict()
                 if effect.checkpoint_ms and held_ms is not None:
                     record = {**record, "checkpoint_ms": round(held_ms, 1)}
                 self.tape.append(record)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from syncer.core import records
 from syncer.core.effects import (
     Checkpoint,
     Close,
@@ -121,7 +122,7 @@ def test_the_initial_cut_is_checkpointed_recorded_then_sent_to_every_learner_wit
     first = d.got(0, Init(0, 0, 0, F32.wire_id), tensor_bytes(torch.zeros(LAYOUT.fragments[0].numel)))
     assert first == [FaultPoint("mid-init")]  # one fragment of two: no cut yet
     cut = d.got(0, Init(1, 0, 0, F32.wire_id), tensor_bytes(torch.zeros(LAYOUT.fragments[1].numel)))
-    assert kinds(cut[:2]) == ["Checkpoint", "Record"] and cut[1].record["event"] == "init"  # type: ignore[union-attr]
+    assert kinds(cut[:2]) == ["Checkpoint", "Record"] and isinstance(cut[1].record, records.Init)  # type: ignore[union-attr]
     for lid in (0, 1):
         peer = Peer(lid, 1)
         mine = [e for e in cut if getattr(e, "to", None) == peer]
@@ -152,7 +153,7 @@ def test_a_commit_is_a_merge_asked_for_then_its_effects_in_the_contracts_order()
     assert kinds(committed[:3]) == ["FaultPoint", "Checkpoint", "Record"]
     assert committed[0] == FaultPoint("mid-merge")
     record = committed[2]
-    assert isinstance(record, Record) and record.checkpoint_ms and record.record["event"] == "commit"
+    assert isinstance(record, Record) and record.checkpoint_ms and isinstance(record.record, records.Commit)
     bcasts = sends(committed, Bcast)
     assert [b.to for b in bcasts] == [Peer(0, 1), Peer(1, 1)] and all(b.committed == 0 for b in bcasts)
     between = committed.index(bcasts[0]) + 1
@@ -226,7 +227,8 @@ def test_a_layout_mismatch_is_recorded_and_closed_with_the_error_sent_first() ->
     d.join(0)
     effects = d.join(1, fingerprint=b"\x01" * 32)
     record, close = effects
-    assert isinstance(record, Record) and record.record["code"] == "LAYOUT"
+    assert isinstance(record, Record) and isinstance(record.record, records.Refused)
+    assert record.record.code == "LAYOUT" and record.record.learner == 1
     assert isinstance(close, Close) and close.to == Peer(1, 1) and isinstance(close.last, Error)
     assert close.last.code is ErrorCode.LAYOUT and "layout fingerprint mismatch: learner 1" in close.reason
     assert 1 not in d.protocol.links
@@ -252,7 +254,7 @@ def test_finalization_makes_the_cut_durable_before_the_first_final_and_the_fault
     d, committed = first_round_merged(total_rounds=1)  # the budget is spent: that turn finalizes too
     assert Checkpoint() not in committed  # the last commit's cut is the final one, written once
     effects = committed[committed.index(Checkpoint(wait=True)):]
-    assert isinstance(effects[1], Record) and effects[1].record["event"] == "final"
+    assert isinstance(effects[1], Record) and isinstance(effects[1].record, records.Final)
     first_final = next(i for i, e in enumerate(effects) if isinstance(e, Send) and isinstance(e.msg, Final))
     assert isinstance(effects[2], Log) and "sending the final cut to 2 learners" in effects[2].message
     assert first_final == 3 and not sends(committed[:len(committed) - len(effects)], Final)
