@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from syncer.core.records import TapeRecord
 from syncer.core.rounds import Answer
 from syncer.merge.merge import Segment
+from syncer.merge.round_merge import FragmentTensors
 from yeto_core.codecs import Codec
 from yeto_core.wire.messages import Message, Push
 
@@ -76,14 +77,16 @@ class Checkpoint:
 
 @dataclass(frozen=True, slots=True)
 class Merge:
-    """Merge `answers` into fragment `fragment`'s params and momentum (in place, on the merge
-    device); the shell answers with `events.Merged` before it takes any other event. `prepared`:
-    the attempt whose `Prepare` is done, its heavy half to use."""
+    """Merge `answers` into fragment `fragment`'s tensors, which the protocol lends (`lent`: written
+    in place on the merge device, or a fresh copy of one that a reader still reads); the shell
+    hands them back in `events.Merged` before it takes any other event. `prepared`: the attempt
+    whose `Prepare` is done, its heavy half to use."""
 
     round: int
     fragment: int
     answers: tuple[Answer, ...]
     segments: tuple[Segment, ...]
+    lent: FragmentTensors  # the fragment's committed tensors: the shell writes these and hands them back
     prepared: int | None = None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from syncer.merge.round_merge import MergeOutcome
+from syncer.merge.round_merge import FragmentTensors, MergeOutcome
 from yeto_core.wire.messages import Manifest, Message, Push
 
 
@@ -74,10 +74,12 @@ class Decoded:
 
 @dataclass(frozen=True)
 class Merged:
-    """The merge of `round` that the protocol asked for (`effects.Merge`) is done: its outcome."""
+    """The merge of `round` that the protocol asked for (`effects.Merge`) is done: its outcome,
+    and the fragment's tensors it lent, handed back (with the merged values)."""
 
     round: int
     outcome: MergeOutcome
+    tensors: FragmentTensors
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,21 @@ class Leases:
             self._held.pop(key, None)
         return bool(live)
 
+    def fresh(self, fragment: int, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (fragment `fragment`'s `kind`), safe to write in place: itself, or a copy of it
+        while a reader still reads it."""
+        if not self.leased(fragment, kind):
+            return tensor
+        self._held.pop((fragment, kind), None)  # the new tensor has no reader yet
+        self.copied.append((fragment, kind))
+        return fresh_copy(tensor)
+
     def writable(self, fragment: int, tensors: dict[str, list[torch.Tensor] | None]) -> dict[str, torch.Tensor]:
         """Make fragment `fragment`'s tensors of each kind (`tensors[kind]`, the state's lists)
         safe to write in place: each leased one is replaced in its list by a copy. Returns the
         tensors that were replaced, by kind, so holders of other references can follow."""
         moved: dict[str, torch.Tensor] = {}
         for kind, held in tensors.items():
-            if held is None or not self.leased(fragment, kind):
-                continue
-            held[fragment] = moved[kind] = fresh_copy(held[fragment])
-            self._held.pop((fragment, kind), None)  # the new tensor has no reader yet
-            self.copied.append((fragment, kind))
+            if held is not None and (copy := self.fresh(fragment, kind, held[fragment])) is not held[fragment]:
+                held[fragment] = moved[kind] = copy
         return moved

@@ -56,7 +56,7 @@ from syncer.core.rounds import (
 from syncer.core.run_state import RunState
 from syncer.durability.checkpoint import SyncerState, tokens_by_learner
 from syncer.merge.merge import Segment, check_finite
-from syncer.merge.round_merge import fragment_segments
+from syncer.merge.round_merge import FragmentTensors, fragment_segments
 from yeto_core.codecs import F32, codec_by_id
 from yeto_core.downlink import DownlinkEncoder
 from yeto_core.layout import Layout, build_layout
@@ -193,6 +193,11 @@ class SyncerProtocol:
         elif isinstance(event, Merged):
             assert event.round == self._merging, (event.round, self._merging)
             self._merging = None
+            state = self.shared.state
+            assert state is not None
+            entry = self.shared.rounds.entry(event.round)
+            assert entry is not None and entry.attempt is not None
+            event.tensors.install(state, entry.attempt.fragment)  # the lent tensors come back
             self.commits.merged(event.round, event.outcome)
         elif isinstance(event, Prepared):
             if event.attempt in self._preparing:  # else: a round abandoned meanwhile
@@ -465,7 +470,7 @@ class SyncerProtocol:
                     self._preparing.discard(prepared)
                     self._prepared.discard(prepared)
                 run.emit(Merge(closed.round, f, self._aged(f, last.answers.values()), tuple(self.segments[f]),
-                               prepared=prepared))
+                               FragmentTensors.of(run.state, f), prepared=prepared))
                 return  # the rest of the turn comes when the merge is back
         self._maybe_launch(live)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -77,6 +77,32 @@ def fragment_segments(layout: Layout, merge: str) -> list[list[Segment]]:
     return [[segment(s) for s in frag.slots] for frag in layout.fragments]
 
 
+@dataclass(frozen=True)
+class FragmentTensors:
+    """One fragment's committed tensors, lent by the protocol for a merge and handed back by it:
+    the outer step writes `params` and `momentum` in place and may replace `accum` (delayed
+    Nesterov); `outer_steps` is the fragment's version, from which the momentum warm-up resumes."""
+
+    params: torch.Tensor
+    momentum: torch.Tensor
+    accum: torch.Tensor | None
+    accum_count: int
+    outer_steps: int
+
+    @classmethod
+    def of(cls, state: SyncerState, fragment: int) -> FragmentTensors:
+        accum = state.outer_accum[fragment] if state.outer_accum is not None else None
+        count = state.outer_count[fragment] if state.outer_accum is not None else 0
+        return cls(state.params[fragment], state.momentum[fragment], accum, count, state.versions[fragment])
+
+    def install(self, state: SyncerState, fragment: int) -> None:
+        """Take the tensors back into `state` (a lease may have swapped one for a fresh copy)."""
+        state.params[fragment], state.momentum[fragment] = self.params, self.momentum
+        if state.outer_accum is not None:
+            assert self.accum is not None
+            state.outer_accum[fragment], state.outer_count[fragment] = self.accum, self.accum_count
+
+
 class RoundMerger:
     """The merges the protocol asks for, on the run's own tensors: one outer optimizer, HeLoCo's
     settings, the merge threads and a workspace kept from round to round. Whatever the outer
@@ -97,22 +123,29 @@ class RoundMerger:
         return prepare_merge(answers, momentum=momentum, segments=segments, heloco=self.heloco,
                              threads=self.threads, iso=self.iso)
 
-    def run(self, state: SyncerState, fragment: int, answers: list[Answer], segments: list[Segment],
-            prepared: PreparedMerge | None = None) -> MergeOutcome:
-        """Merge `answers` into fragment `fragment` of `state`, in place (the caller has made its
-        tensors writable: `leases.py`); `prepared`: its heavy half, done ahead by `prepare`."""
-        f = fragment
+    def merge(self, lent: FragmentTensors, answers: list[Answer], segments: list[Segment],
+              prepared: PreparedMerge | None = None) -> tuple[MergeOutcome, FragmentTensors]:
+        """Merge `answers` into the lent tensors, in place (the caller has made them writable:
+        `leases.py`), and hand them back; `prepared`: its heavy half, done ahead by `prepare`."""
         # The fragment's version counts its outer steps: the momentum's warm-up resumes with it.
-        outer_state: OuterState = {STEPS_KEY: state.versions[f]}
-        if state.outer_accum is not None:
-            outer_state.update({ACCUM_KEY: state.outer_accum[f], COUNT_KEY: state.outer_count[f]})
-        out = merge_round(answers, params=state.params[f], momentum=state.momentum[f], outer_state=outer_state,
+        outer_state: OuterState = {STEPS_KEY: lent.outer_steps}
+        if lent.accum is not None:
+            outer_state.update({ACCUM_KEY: lent.accum, COUNT_KEY: lent.accum_count})
+        out = merge_round(answers, params=lent.params, momentum=lent.momentum, outer_state=outer_state,
                           segments=segments, outer=self.outer, heloco=self.heloco, threads=self.threads,
                           workspace=self.workspace, iso=self.iso, prepared=prepared)
-        if out.answers and state.outer_accum is not None:
+        if out.answers and lent.accum is not None:
             accum = outer_state[ACCUM_KEY]
             assert isinstance(accum, torch.Tensor)
-            state.outer_accum[f], state.outer_count[f] = accum, int(outer_state[COUNT_KEY])
+            lent = replace(lent, accum=accum, accum_count=int(outer_state[COUNT_KEY]))
+        return out, lent
+
+    def run(self, state: SyncerState, fragment: int, answers: list[Answer], segments: list[Segment],
+            prepared: PreparedMerge | None = None) -> MergeOutcome:
+        """`merge` fragment `fragment` of `state` and take its tensors back into it (for callers
+        that own the state themselves: tests, benchmarks)."""
+        out, back = self.merge(FragmentTensors.of(state, fragment), answers, segments, prepared)
+        back.install(state, fragment)
         return out
 
 

@@ -374,11 +374,12 @@ class Coordinator:
 
     def _merge(self, effect: Merge) -> Merged:
         self._merge_started = self.clock()  # ξ_sync is a decision's input: the injected clock's
-        state = self.protocol.state
-        assert state is not None
         f = effect.fragment
         # A send or a background checkpoint still reading fragment f keeps the values it reads.
-        self.leases.writable(f, {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum})
+        lent = effect.lent
+        lent = dataclasses.replace(lent, params=self.leases.fresh(f, "param", lent.params),
+                                   momentum=self.leases.fresh(f, "momentum", lent.momentum),
+                                   accum=None if lent.accum is None else self.leases.fresh(f, "accum", lent.accum))
         prepared = None
         if effect.prepared is not None:
             prepared = self._prepared.pop(effect.prepared)[1].result()  # done: the protocol saw its Prepared
@@ -386,5 +387,5 @@ class Coordinator:
             # needed. A later round's is kept whatever its attempt number (a relaunch has a higher one).
             for stale in [a for a, (r, fut) in self._prepared.items() if r <= effect.round and fut.done()]:
                 del self._prepared[stale]
-        return Merged(effect.round, self.merger.run(state, f, list(effect.answers), list(effect.segments),
-                                                    prepared=prepared))
+        outcome, back = self.merger.merge(lent, list(effect.answers), list(effect.segments), prepared=prepared)
+        return Merged(effect.round, outcome, back)

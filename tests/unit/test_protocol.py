@@ -7,6 +7,7 @@ would, and handed back as `Merged`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from syncer.core.payload import decode_delta
 from syncer.core.protocol import SyncerProtocol
 from syncer.core.rounds import RoundState, last_of_fragment
 from syncer.durability.checkpoint import SyncerState
-from syncer.merge.round_merge import RoundMerger
+from syncer.merge.round_merge import PreparedMerge, RoundMerger
 from yeto_core.codecs import F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
@@ -80,12 +81,10 @@ class Driver:
         msg = Push(pull.round, pull.attempt, pull.fragment, pull.version, 100, 4, 0, 0, numel * 4, F32.wire_id)
         return self.got(lid, msg, tensor_bytes(torch.full((numel,), value)))
 
-    def merge(self, effect: Merge) -> Merged:
-        """What the shell does with a `Merge`: the real merge, on the protocol's state."""
-        state = self.protocol.state
-        assert state is not None
-        return Merged(effect.round, self.merger.run(state, effect.fragment, list(effect.answers),
-                                                    list(effect.segments)))
+    def merge(self, effect: Merge, prepared: PreparedMerge | None = None) -> Merged:
+        """What the shell does with a `Merge`: the real merge, on the tensors the protocol lent."""
+        outcome, back = self.merger.merge(effect.lent, list(effect.answers), list(effect.segments), prepared)
+        return Merged(effect.round, outcome, back)
 
 
 def kinds(effects: list[Effect]) -> list[str]:
@@ -165,6 +164,24 @@ def test_a_commit_is_a_merge_asked_for_then_its_effects_in_the_contracts_order()
     # The merged delta is the mean 2.0; the first outer step has no momentum yet (warm-up), so
     # Nesterov at the shipped lr 0.7 from θ = 0 gives θ + lr·2 = 1.4.
     assert torch.allclose(state.params[0], torch.full((4,), 1.4))
+
+
+def test_a_merge_lends_the_fragments_tensors_and_the_protocol_takes_back_what_the_shell_returns() -> None:
+    d = Driver()
+    d.join(0)
+    d.join(1)
+    pull = sends(d.init(), Pull)[0].msg
+    assert isinstance(pull, Pull)
+    d.push(0, pull, 1.0)
+    merge = d.push(1, pull, 3.0)[-1]
+    assert isinstance(merge, Merge)
+    state = d.protocol.state
+    assert state is not None and merge.lent.params is state.params[0] and merge.lent.momentum is state.momentum[0]
+    # A shell whose sender still reads the params writes a fresh copy: the protocol keeps that one.
+    copied = dataclasses.replace(merge.lent, params=merge.lent.params.clone())
+    outcome, back = d.merger.merge(copied, list(merge.answers), list(merge.segments))
+    d.turn(Merged(merge.round, outcome, back))
+    assert state.params[0] is back.params and torch.allclose(state.params[0], torch.full((4,), 1.4))
 
 
 def test_the_broadcast_of_a_fragments_last_round_says_no_pull_will_follow_and_a_rejoin_hears_it_too() -> None:
@@ -334,12 +351,10 @@ def test_with_iso_workers_merges_are_prepared_ahead_and_still_committed_in_round
     assert not any(isinstance(e, Merge) for e in d.turn(Prepared(1, ask1.attempt)))  # round 0 comes first
     merge0 = d.turn(Prepared(0, ask0.attempt))[-1]
     assert isinstance(merge0, Merge) and merge0.round == 0 and merge0.prepared == ask0.attempt
-    after0 = d.turn(Merged(0, d.merger.run(state, 0, list(merge0.answers), list(merge0.segments),
-                                           prepared=halves[ask0.attempt])))
+    after0 = d.turn(d.merge(merge0, halves[ask0.attempt]))
     merge1 = after0[-1]
     assert isinstance(merge1, Merge) and merge1.round == 1 and merge1.prepared == ask1.attempt
-    d.turn(Merged(1, d.merger.run(state, 1, list(merge1.answers), list(merge1.segments),
-                                  prepared=halves[ask1.attempt])))
+    d.turn(d.merge(merge1, halves[ask1.attempt]))
     m0 = serial.push(1, p0, 3.0)[-1]
     assert isinstance(m0, Merge) and m0.prepared is None
     serial.turn(serial.merge(m0))
