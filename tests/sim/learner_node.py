@@ -57,6 +57,7 @@ class SimLink:
         self.conn: Connection | None = None
         self.closed = False
         self.reached = False  # it dialed a syncer that was listening
+        self.duplicate_next_push = False  # a fault: the next push goes out twice
         self.initial_cut_received = False
         self.syncer_consensus = False
         self._layout_for: LayoutFor | None = None
@@ -97,6 +98,9 @@ class SimLink:
         def sent() -> None:
             if conn is self.conn and conn.carry("up", msg, payload):
                 job.nbytes = nbytes
+                if self.duplicate_next_push:
+                    self.duplicate_next_push = False
+                    conn.carry("up", msg, payload)
             else:
                 job.error = "link lost while pushing"
             job.done.set()

@@ -58,9 +58,12 @@ def test_a_seed_replays_exactly() -> None:
 
 def test_the_seeds_draw_every_fault() -> None:
     kinds = {f.kind for s in range(200) for f in Scenario.draw(s).faults}
-    assert kinds == {"drop", "crash", "syncer", "freeze", "intruder"}
-    shapes = {(sc.learners, sc.syncer["pipeline"]) for sc in map(Scenario.draw, range(200))}
-    assert {m for m, _ in shapes} == {2, 3, 4} and {p for _, p in shapes} == {1, 2}
+    assert kinds == {"drop", "crash", "syncer", "freeze", "intruder", "duplicate"}
+    scenarios = [Scenario.draw(s) for s in range(200)]
+    assert {sc.learners for sc in scenarios} == {2, 3, 4, 5} and {sc.syncer["pipeline"] for sc in scenarios} == {1, 2}
+    assert {sc.learner["wire_dtype"] for sc in scenarios} == {"f32", "bf16", "int8", "int4", "e3m0"}
+    assert any(sc.learner["lockstep"] for sc in scenarios) and any(sc.learner["bcast_delta"] for sc in scenarios)
+    assert any(sc.syncer["total_rounds"] for sc in scenarios)
 
 
 def test_a_ledger_that_counts_a_push_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

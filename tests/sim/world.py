@@ -9,7 +9,8 @@ delays, each learner's pace, the fault schedule), runs it on the simulated clock
 * ``syncer``: the syncer dies and restarts with ``--resume`` from its last durable checkpoint;
 * ``freeze``: a learner stops stepping (and reading) for a while, its link up;
 * ``intruder``: a process with the wrong key dials as one of the learners;
-* ``slow``: one learner steps several times slower than the rest.
+* ``slow``: one learner steps several times slower than the rest;
+* ``duplicate``: a learner's next push arrives twice, as from a client that sent it again.
 
 The wire varies too: the push codec (f32, bf16 or a quantized one) and full or delta broadcasts.
 """
@@ -67,7 +68,7 @@ class Scenario:
     @classmethod
     def draw(cls, seed: int) -> Scenario:
         rng = random.Random(seed)
-        m = rng.randint(2, 4)
+        m = rng.choice([2, 2, 3, 3, 4, 5])
         p = rng.choice([1, 2, 3])
         h = rng.choice([2, 4, 6]) * p
         steps = rng.randint(3, 6) * h
@@ -75,7 +76,7 @@ class Scenario:
         faults: list[Fault] = []
         span = steps * max(step_s)
         for _ in range(rng.choice([0, 1, 1, 2, 3, 4])):
-            kind = rng.choice(["drop", "drop", "crash", "syncer", "freeze", "intruder", "slow"])
+            kind = rng.choice(["drop", "drop", "crash", "syncer", "freeze", "intruder", "slow", "duplicate"])
             at = rng.uniform(0.0, span)
             who = rng.randrange(m)
             if kind == "slow":
@@ -92,6 +93,8 @@ class Scenario:
             "max_base_lag": rng.choice([0, 1, 2]),
             "outer_optimizer": rng.choice(["nesterov", "nesterov", "delayed-nesterov"]),
             "merge": rng.choice(["rda", "rda", "average"]),
+            "total_rounds": rng.choice([0, 0, 0, p * rng.randint(2, 5)]),
+            "carry_answers_round": rng.random() < 0.3,
         }
         learner = {
             "overlap": rng.random() < 0.7,
@@ -101,7 +104,10 @@ class Scenario:
             "wire_dtype": rng.choice(["f32", "f32", "bf16", "int8", "int4", "e3m0"]),
             "push_block": rng.choice([8, 128]),
             "bcast_delta": rng.random() < 0.3,
+            "lockstep": rng.random() < 0.1,  # every island waits for every round: the syncer's quorum is M
         }
+        if learner["lockstep"]:
+            syncer["quorum"] = m
         latency = {"base_s": rng.uniform(0.0005, 0.05), "jitter_s": rng.uniform(0.0, 0.05),
                    "bytes_per_s": rng.choice([1e4, 1e5, 1e7])}
         return cls(seed, m, p, h, steps, step_s, syncer, learner, latency, sorted(faults, key=lambda f: f.at))
@@ -161,7 +167,7 @@ class World:
             self._settings[key] = LearnerSettings(
                 syncer="127.0.0.1:9", key=SecretStr(key.decode()), sync_interval=self.scenario.interval,
                 reconnect_max_s=2.0, init_timeout_s=600.0, final_timeout_s=600.0, blocking_timeout_s=60.0,
-                consensus_every=0, **self.scenario.learner)
+                lockstep_timeout_s=30.0, consensus_every=0, **self.scenario.learner)
         return self._settings[key]
 
     def _backend(self) -> str:
@@ -228,6 +234,9 @@ class World:
                 node.crash()
                 self.node = None
                 self.sim.after(fault.lasts, lambda: self.start_syncer(resume=True))
+        elif fault.kind == "duplicate":
+            if live is not None:
+                live[1].duplicate_next_push = True
         elif fault.kind == "intruder":
             self.start_learner(fault.learner, key=WRONG_KEY)
 
