@@ -163,18 +163,24 @@ class LearnerSettings(BaseSettings):
     wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
         default="f32", description="dtype of pushed deltas (the block-quantized ones use push_block)")
     push_block: int = Field(default=128, ge=1, le=1 << 20, description="values per scale of quantized pushes")
-    data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
-    connect_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of one dial + handshake")
+    data_streams: int = Field(default=LinkSettings.data_streams, ge=1, le=64, description="parallel TCP data streams")
+    connect_timeout_s: float = Field(default=LinkSettings.connect_timeout_s, gt=0, le=HOUR_S,
+                                     description="deadline of one dial + handshake")
     init_timeout_s: float = Field(default=600.0, ge=0, le=WEEK_S, description="wait for the initial cut at start")
     final_timeout_s: float = Field(default=FINAL_WAIT_S, ge=0, le=WEEK_S, description="wait for the final cut at "
                                    "the end: at least 2 × (the syncer's --rejoin-wait-s + 30 s + --final-timeout-s)")
-    heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control stream")
-    peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
-    reconnect_max_s: float = Field(default=30.0, gt=0, le=HOUR_S, description="cap of the redial backoff")
-    wan_stall_timeout_s: float = Field(default=0.0, ge=0, le=DAY_S,
+    heartbeat_s: float = Field(default=LinkSettings.heartbeat_s, gt=0, le=HOUR_S,
+                               description="heartbeat period on the control stream")
+    peer_timeout_s: float = Field(default=LinkSettings.peer_timeout_s, gt=0, le=DAY_S,
+                                  description="silence after which a link is dead")
+    reconnect_max_s: float = Field(default=LinkSettings.reconnect_max_s, gt=0, le=HOUR_S,
+                                   description="cap of the redial backoff")
+    wan_stall_timeout_s: float = Field(default=LinkSettings.stall_timeout_s, ge=0, le=DAY_S,
                                        description="fail a link whose bytes stop moving (0: off)")
-    bcast_delta: bool = Field(default=False, description="take broadcasts as bf16 deltas against a shared anchor")
-    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="chunk-to-stream striping")
+    bcast_delta: bool = Field(default=LinkSettings.bcast_delta,
+                              description="take broadcasts as bf16 deltas against a shared anchor")
+    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default=LinkSettings.stream_schedule,
+                                                           description="chunk-to-stream striping")
     wan_probe_min_mbps: float = Field(default=0.0, ge=0, le=MAX_MBPS,
                                       description="exit 75 below this upload rate (0: no probe)")
     wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, le=MAX_MBPS,
@@ -191,12 +197,13 @@ class LearnerSettings(BaseSettings):
     tuning: Literal["auto", "lora", "full"] = Field(
         default="auto", description="lora: sync only LoRA adapter tensors; full: every trainable tensor; "
                                     "auto: lora when the model carries adapters")
-    gather_chunk_mib: int = Field(default=64, ge=1, le=1 << 16,
+    gather_chunk_mib: int = Field(default=IslandSettings.gather_chunk_mib, ge=1, le=1 << 16,
                                   description="multi-rank islands: MiB of a fragment moved between ranks at a time")
-    collective_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S,
+    collective_timeout_s: float = Field(default=IslandSettings.collective_timeout_s, gt=0, le=DAY_S,
                                         description="multi-rank islands: deadline of one wait on the other ranks")
-    overlap: bool = Field(default=True, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
-                                                      "instead of blending with merge_alpha")
+    overlap: bool = Field(default=LinkSettings.overlap,
+                          description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
+                          "instead of blending with merge_alpha")
     blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
                                                   "'embedding', 'head', 'layers:N' (the first N layers) or indices")
     blocking_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S, description="longest wait for a blocking fragment")
@@ -214,15 +221,17 @@ class LearnerSettings(BaseSettings):
                                      "an unpaced run measures, it reproduces that run's staleness step for step")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
     rl_mode: Literal["stream", "sweep", "overlap"] = Field(
-        default="stream", description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer "
-        "steps; sweep: every fragment at the end of each RL iteration, the merges installed before the rollout gets "
+        default=LinkSettings.rl_mode,
+        description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer steps; sweep: "
+        "every fragment at the end of each RL iteration, the merges installed before the rollout gets "
         "weights; overlap: every fragment at the end of each iteration, training on at once and rebasing at the next")
-    consensus_every: int = Field(default=4, ge=0, le=MAX_STEPS,
+    consensus_every: int = Field(default=ConsensusSettings.every, ge=0, le=MAX_STEPS,
                                  description="evaluate the probe batch after every N installs of "
                                  "merged fragments and report it to the syncer (0: no consensus signal)")
-    consensus_top_k: int = Field(default=64, ge=1, le=1024,
+    consensus_top_k: int = Field(default=ConsensusSettings.top_k, ge=1, le=1024,
                                  description="probabilities per probe token reported: the top k (the rest as one tail)")
-    consensus_tokens: int = Field(default=64, ge=1, le=512, description="tokens in the fixed probe batch")
+    consensus_tokens: int = Field(default=ConsensusSettings.tokens, ge=1, le=512,
+                                  description="tokens in the fixed probe batch")
     fault: str = fault_field("YETO_DILOCO_")
 
     _fault = field_validator("fault")(check_fault)
@@ -338,26 +347,29 @@ class SyncerSettings(BaseSettings):
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
     device: str = Field(default="auto", description="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
-    # Measured by benchmarks/compare_diloco.py (README "Does it learn?"): DiLoCo's stock 0.7/0.9
-    # over-drives the strongly correlated deltas of a few dozen inner steps; with the momentum warmed
-    # up, 0.7/0.5 (a steady step of 1.4 merged deltas) beats 0.5/0.5 in 6 of the 8 M = 2 cells.
-    outer_lr: float = Field(default=0.7, gt=0, le=100, description="Nesterov outer learning rate")
-    outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
-    outer_momentum_warmup: int = Field(default=4, ge=0, le=MAX_STEPS, description="outer steps over which each "
+    # The merge's defaults are MergeSettings' (yeto_core/sections.py), where they are measured.
+    outer_lr: float = Field(default=MergeSettings.outer_lr, gt=0, le=100, description="Nesterov outer learning rate")
+    outer_momentum: float = Field(default=MergeSettings.outer_momentum, ge=0, lt=1,
+                                  description="Nesterov outer momentum")
+    outer_momentum_warmup: int = Field(default=MergeSettings.outer_momentum_warmup, ge=0, le=MAX_STEPS,
+                                       description="outer steps over which each "
                                        "fragment's outer momentum rises linearly from 0 to --outer-momentum "
                                        "(0: the full momentum from the first step)")
-    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
-    outer_delay: int = Field(default=4, ge=1, le=MAX_STEPS,
+    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default=MergeSettings.outer_optimizer,
+                                                                     description="outer optimizer")
+    outer_delay: int = Field(default=MergeSettings.outer_delay, ge=1, le=MAX_STEPS,
                              description="N of delayed Nesterov: momentum moves every N steps")
-    merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of every tensor: "
+    merge: Literal["rda", "iso", "average"] = Field(default=MergeSettings.merge, description="merge of every tensor: "
                                                     "radial-directional averaging (rda), rda with each 2-D matrix's "
                                                     "merged update but the embedding's given a flat spectrum (iso: "
                                                     "its singular values replaced by their mean), or the plain "
                                                     "weighted average")
-    delta_correction: Literal["heloco", "none"] = Field(default="none", description="correct stale deltas that "
+    delta_correction: Literal["heloco", "none"] = Field(default=MergeSettings.delta_correction,
+                                                        description="correct stale deltas that "
                                                         "oppose the outer momentum (HeLoCo) or not; HeLoCo "
                                                         "measured no better in compare_diloco")
-    merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
+    merge_threads: int = Field(default=MergeSettings.merge_threads, ge=1, le=256,
+                               description="CPU merge threads (bit-identical results)")
     iso_worker_devices: str = Field(default="", description="with --merge iso: one SVD worker process per listed "
                                     "device, e.g. cpu,cpu or cuda:0,cuda:1 (none: the SVDs run in the syncer); "
                                     "deadlines from YETO_ISO_WORKER_*")
@@ -388,21 +400,24 @@ class SyncerSettings(BaseSettings):
     rejoin_wait_s: float = Field(default=REJOIN_WAIT_S, ge=0, le=DAY_S, description="once every connected learner has "
                                  "finished, wait this long after one left while training (a crash, a cut link) "
                                  "for it to come back before finalizing without it (0: do not wait)")
-    heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control streams")
-    peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
+    heartbeat_s: float = Field(default=LinkSettings.heartbeat_s, gt=0, le=HOUR_S,
+                               description="heartbeat period on the control streams")
+    peer_timeout_s: float = Field(default=LinkSettings.peer_timeout_s, gt=0, le=DAY_S,
+                                  description="silence after which a link is dead")
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of a whole handshake, "
                                        "from accept until the key is proven")
     max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once; at the "
                                 "cap the oldest (open over 2 s) or the newcomer is closed (0: 64, or a quarter of "
                                 "the descriptor limit when lower)")
-    wan_stall_timeout_s: float = Field(default=0.0, ge=0, le=DAY_S,
+    wan_stall_timeout_s: float = Field(default=LinkSettings.stall_timeout_s, ge=0, le=DAY_S,
                                        description="seconds without progress on a stream that "
                                        "fail its connection group; also TCP_USER_TIMEOUT after the initial cut "
                                        "(0: off)")
     bcast_delta_full_every: int = Field(default=8, ge=1, le=MAX_STEPS,
                                         description="for learners taking bf16 delta broadcasts: "
                                         "send the full fragment every N versions")
-    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", description="stripe chunks round-robin "
+    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default=LinkSettings.stream_schedule,
+                                                           description="stripe chunks round-robin "
                                                            "(rr) or to the data stream with the earliest estimated "
                                                            "finish (adaptive)")
     fault: str = fault_field("YETO_SYNCER_")
