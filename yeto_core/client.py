@@ -11,7 +11,6 @@ printed once; the session decides what the island does then.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import random
@@ -19,8 +18,8 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -31,55 +30,27 @@ from yeto_core.layout import Layout
 from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushEnded, PushJob, Received
 from yeto_core.probe import ProbeResult, measure_link
 from yeto_core.sections import LinkSettings
-from yeto_core.wire import auth
 from yeto_core.wire.buffers import receive_buffer
-from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused
+from yeto_core.wire.connection import Event, Handshake, LearnerHandshake, Refusal, Welcomed
+from yeto_core.wire.errors import ConnectionClosed, ProtocolError, Refused
 from yeto_core.wire.messages import (
-    CHUNK_BYTES,
-    HELLO_BCAST_DELTA,
-    HELLO_CONSENSUS,
-    HELLO_OVERLAP,
-    HELLO_SENDS_MANIFEST,
-    HELLO_SWEEP_OVERLAP,
-    HELLO_SWEEPS,
     INSTANCE_BYTES,
-    Attach,
     Bcast,
     Bye,
-    Challenge,
     Consensus,
     Done,
     Error,
     Final,
-    Hello,
     Init,
-    Manifest,
     Message,
     Pull,
     Push,
-    Welcome,
 )
 from yeto_core.wire.transport import ConnectionGroup, SendTicket, Stream, tune_socket
-
-SWEEP_FLAGS = {"stream": 0, "sweep": HELLO_SWEEPS, "overlap": HELLO_SWEEPS | HELLO_SWEEP_OVERLAP}  # by rl_mode
 
 log = logging.getLogger("yeto.client")
 
 MAX_DOWNLINK_MARGIN = 1 << 20
-
-
-def hello_for(link: LinkSettings, layout: Layout, codec: Codec, *, sends_init: bool, instance: bytes,
-              challenge_nonce: bytes, client_nonce: bytes) -> Hello:
-    """The signed HELLO answering a CHALLENGE: who this learner is and its session contract."""
-    # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
-    # syncer without state can build the layout and bound every transfer before any bulk byte.
-    flags = (HELLO_SENDS_MANIFEST if sends_init else 0) | (HELLO_BCAST_DELTA if link.bcast_delta else 0)
-    flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if link.overlap else 0)
-    flags |= SWEEP_FLAGS[link.rl_mode]
-    block = int(getattr(codec, "block", 0))  # the quantized codecs' block size is contract too
-    hello = Hello(link.learner_id, link.data_streams, layout.fingerprint, codec.wire_id, CHUNK_BYTES, flags,
-                  client_nonce, push_block=block, instance=instance)
-    return dataclasses.replace(hello, mac=auth.sign(link.key, auth.HELLO_LABEL, challenge_nonce, hello.signed_part()))
 
 
 class SyncerClient:
@@ -218,46 +189,28 @@ class SyncerClient:
             log.error("learner %d refused by syncer: %s", self.learner_id, exc.reason)
 
     def _dial(self) -> ConnectionGroup:
-        host, port = self.address
-        deadline = self.link.connect_timeout_s
-        sock = socket.create_connection((host, port), timeout=deadline)
-        tune_socket(sock, bulk=False)
-        control = Stream(sock, f"learner{self.learner_id}/ctl")
-        streams: list[Stream] = [control]
+        """Connect and authenticate a group: `LearnerHandshake` decides, this only moves its bytes."""
+        assert self._layout_for is not None, "SyncerClient.start() gives the layout"
+        deadline = time.monotonic() + self.link.connect_timeout_s  # of the whole dial, every stream
+        hs = LearnerHandshake(self.link, self.codec, sends_init=self._sends_init, instance=self.instance,
+                              layout_for=self._layout_for, deadline=deadline)
+        streams: list[Stream] = []
         try:
-            challenge = self._expect(control, Challenge)
-            assert self._layout_for is not None, "SyncerClient.start() gives the layout"
-            layout = self._layout_for(challenge.num_fragments, challenge.pattern)
-            self.layout = layout
-            client_nonce = auth.new_nonce()
-            sends_manifest = self._sends_init
-            hello = hello_for(self.link, layout, self.codec, sends_init=sends_manifest, instance=self.instance,
-                              challenge_nonce=challenge.nonce, client_nonce=client_nonce)
-            control.send_frame(hello)
-            welcome = self._expect(control, Welcome)
-            if not auth.verify(self.link.key, welcome.mac, auth.WELCOME_LABEL, client_nonce, welcome.token,
-                               welcome.generation.to_bytes(4, "little")):
-                raise Refused(ErrorCode.AUTH, "the syncer could not prove it holds the same key")
-            if hello.flags & HELLO_SENDS_MANIFEST:
-                control.send_frame(Manifest(layout.num_fragments, layout.pattern, layout.specs))
-            data = []
+            streams.append(self._connect("ctl", deadline, bulk=False))
+            welcome = self._settle(streams[0], hs)
             for i in range(self.link.data_streams):
-                sock_i = socket.create_connection((host, port), timeout=deadline)
-                tune_socket(sock_i, bulk=True)
-                stream = Stream(sock_i, f"learner{self.learner_id}/data{i}")
-                streams.append(stream)
-                nonce = self._expect(stream, Challenge).nonce
-                stream.send_frame(Attach(welcome.token, i, auth.sign(self.link.key, auth.ATTACH_LABEL, nonce,
-                                                                     welcome.token, bytes([i]))))
-                data.append(stream)
+                streams.append(self._connect(f"data{i}", deadline, bulk=True))
+                self._settle(streams[-1], hs.attach(i))
         except BaseException:
             for s in streams:
                 s.close()
             raise
+        assert isinstance(welcome, Welcomed) and hs.layout is not None
+        layout = self.layout = hs.layout
         max_payload = max(f.numel for f in layout.fragments) * 4 + MAX_DOWNLINK_MARGIN
         self.syncer_consensus = False
         group = ConnectionGroup(
-            control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
+            streams[0], streams[1:], name=f"learner{self.learner_id}", on_message=self._on_message,
             on_close=lambda reason: None, max_payload=lambda: max_payload, heartbeat_s=self.link.heartbeat_s,
             peer_timeout_s=self.link.peer_timeout_s, heartbeat_step=self._step,
             stall_timeout_s=self.link.stall_timeout_s, schedule=self.link.stream_schedule, faults=self._faults,
@@ -267,20 +220,25 @@ class SyncerClient:
         with self._group_lock:
             self._group = group
         group.start()
-        log.info("learner %d connected to syncer %s:%d (generation %d)", self.learner_id, host, port,
+        log.info("learner %d connected to syncer %s:%d (generation %d)", self.learner_id, *self.address,
                  welcome.generation)
         self.inbox.put(Connected(welcome.generation, welcome.initial_cut_ready))
-        if sends_manifest and not welcome.initial_cut_ready:
+        if self._sends_init and not welcome.initial_cut_ready:
             self._send_init(group, layout)
         return group
 
-    def _expect(self, stream: Stream, kind: type[Any]) -> Any:
-        msg = stream.read_message()
-        if isinstance(msg, Error):
-            raise Refused(msg.code, msg.reason)
-        if not isinstance(msg, kind):
-            raise ProtocolError(f"{stream.name}: expected {kind.__name__}, got {type(msg).__name__}")
-        return msg
+    def _connect(self, tag: str, deadline: float, *, bulk: bool) -> Stream:
+        sock = socket.create_connection(self.address, timeout=max(0.001, deadline - time.monotonic()))
+        tune_socket(sock, bulk=bulk)
+        return Stream(sock, f"learner{self.learner_id}/{tag}")
+
+    @staticmethod
+    def _settle(stream: Stream, hs: Handshake) -> Event:
+        """Run one stream's handshake; a refusal (an ERROR, or a WELCOME that does not verify) raises."""
+        last = stream.handshake(hs)[-1]
+        if isinstance(last, Refusal):
+            raise Refused(last.code, last.reason)
+        return last
 
     def _send_init(self, group: ConnectionGroup, layout: Layout) -> None:
         """Learner 0 uploads the manifest and every fragment's initial values (replayed on each

@@ -1,7 +1,9 @@
 """The syncer's sockets: accept, authenticate, assemble connection groups, post events.
 
 Every accepted stream is greeted with a CHALLENGE (fresh nonce, fragment count, pattern). A
-control stream answers HELLO; a data stream answers ATTACH with the token from WELCOME. Nothing
+control stream answers HELLO; a data stream answers ATTACH with the token from WELCOME. What is
+accepted when, and every check on the handshake's own frames, is `SyncerHandshake`
+(`yeto_core/wire/connection.py`); this module moves its bytes and keeps the pending groups. Nothing
 here touches global state: a finished group becomes a `Connected` event for the coordinator, and
 everything it receives becomes `Got` / `Left` events. Refusals (wrong key, layout, contract,
 malformed first frame) get one ERROR frame with the reason, then the socket is closed; the
@@ -25,20 +27,11 @@ from syncer.core.events import Connected, Got, Joined, Left
 from syncer.core.handshake import HandshakeRefused, check_hello
 from syncer.service.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, BurstLog, HandshakeGate, Unauthenticated
 from yeto_core.faults import NO_FAULTS, FaultInjector
-from yeto_core.layout import build_layout
 from yeto_core.probe import probe_authentic, serve_probe
 from yeto_core.wire import auth
+from yeto_core.wire.connection import Admitted, Attached, OutOfTurn, ProbeRequested, Refusal, SyncerHandshake
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
-from yeto_core.wire.messages import (
-    HELLO_SENDS_MANIFEST,
-    Attach,
-    BwProbe,
-    Challenge,
-    Error,
-    Hello,
-    Manifest,
-    Welcome,
-)
+from yeto_core.wire.messages import BwProbe, Error, Hello, Manifest
 from yeto_core.wire.transport import ConnectionGroup, Screen, Stream, tune_socket
 
 log = logging.getLogger("yeto.syncer.server")
@@ -52,6 +45,7 @@ HOUSEKEEPING_S = 0.25  # how often the accept loop cuts late handshakes and expi
 class _Pending:
     hello: Hello
     generation: int
+    token: bytes
     control: Stream
     data: list[Stream | None]
     created: float
@@ -186,29 +180,43 @@ class SyncerServer:
             self._stop.wait(ACCEPT_BACKOFF_MAX_S)
 
     def _handshake(self, entry: Unauthenticated) -> None:
-        sock = entry.sock
-        sock.settimeout(self._handshake_timeout_s)
-        stream = Stream(sock, entry.peer)
+        """Serve one new connection's handshake: `SyncerHandshake` decides, this moves its bytes and
+        acts on its verdict (a group's control or data stream, a probe, or a refusal)."""
+        stream = Stream(entry.sock, entry.peer)
+        opened: list[_Pending] = []  # the group this connection's WELCOME opened, if any
+
+        def welcome(hello: Hello) -> tuple[int, bytes, bool]:
+            opened.append(self._open_pending(hello, stream))
+            return opened[0].generation, opened[0].token, self._initial_cut_ready()
+
+        hs = SyncerHandshake(self._key, self._num_fragments, self._pattern, welcome=welcome,
+                             check=lambda hello, nonce: self._check(hello, nonce, stream.name),
+                             pending=self._pending_learner, deadline=entry.started + self._handshake_timeout_s)
         try:
-            nonce = auth.new_nonce()
-            stream.send_frame(Challenge(nonce, self._num_fragments, self._pattern))
-            first = stream.read_message(max_body=64 * 1024)
-            if isinstance(first, Hello):
-                tune_socket(sock, bulk=False)
-                self._on_hello(stream, nonce, first, entry)
-            elif isinstance(first, Attach):
-                tune_socket(sock, bulk=True)
-                self._on_attach(stream, nonce, first, entry)
-            elif isinstance(first, BwProbe):
-                self._on_probe(stream, nonce, first, entry)
-            else:
-                raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected HELLO or ATTACH, got {first.TYPE.name}")
-        except HandshakeRefused as exc:
-            self._on_refused(exc.code.name.lower())
-            log.warning("refused %s: %s", stream.name, exc.reason)
-            with contextlib.suppress(OSError):
-                stream.send_frame(Error(exc.code, exc.reason))
-            linger_close(stream)
+            try:
+                event = stream.handshake(hs)[-1]
+                if isinstance(event, Admitted):
+                    tune_socket(entry.sock, bulk=False)
+                    self._hand_over(entry)
+                    opened[0].manifest, opened[0].bound = event.manifest, event.payload_bound
+                    # Only now may the group's reader threads own the control stream: until the MANIFEST
+                    # was read here, a control reader started by the last ATTACH would race us for bytes.
+                    opened[0].ready.set()
+                elif isinstance(event, Attached):
+                    tune_socket(entry.sock, bulk=True)
+                    self._on_attach(stream, event, entry)
+                elif isinstance(event, ProbeRequested):
+                    self._on_probe(stream, hs.nonce, event.request, entry)
+            except Refused as exc:  # a verdict of our own, after the machine's
+                event = hs.reject(exc.code, exc.reason)
+            except OutOfTurn as exc:  # a well-formed frame that the handshake does not take now
+                event = hs.reject(ErrorCode.PROTOCOL, str(exc))
+            if isinstance(event, Refusal):
+                self._on_refused(event.code.name.lower())
+                log.warning("refused %s: %s", stream.name, event.reason)
+                with contextlib.suppress(OSError):
+                    stream.sock.sendall(hs.data_to_send())  # the ERROR, unless the handshake sent it already
+                linger_close(stream)
         except (WireError, OSError) as exc:
             self._on_refused("deadline" if entry.cut else "broken")
             if entry.cut:  # the gate closed it; the gate's burst log has said so
@@ -227,6 +235,9 @@ class SyncerServer:
             stream.close()
         finally:
             self._gate.release(entry)
+            if opened and not opened[0].ready.is_set():  # its control stream failed: no group to attach to
+                with self._lock:
+                    self._pending.pop(opened[0].token, None)
 
     def _hand_over(self, entry: Unauthenticated) -> None:
         """The connection is authenticated: the gate stops timing it, unless it already cut it."""
@@ -236,83 +247,60 @@ class SyncerServer:
     def _on_probe(self, stream: Stream, nonce: bytes, request: BwProbe, entry: Unauthenticated) -> None:
         """A bandwidth probe: bounded in size (per message), count and time, never part of a session."""
         if not probe_authentic(self._key, nonce, request):
-            raise HandshakeRefused(ErrorCode.AUTH, "HMAC check failed on a bandwidth probe: wrong key")
+            raise Refused(ErrorCode.AUTH, "HMAC check failed on a bandwidth probe: wrong key")
         self._hand_over(entry)
         with self._lock:
             if self._probes >= MAX_PROBES:
-                raise HandshakeRefused(ErrorCode.REFUSED, f"more than {MAX_PROBES} bandwidth probes at once")
+                raise Refused(ErrorCode.REFUSED, f"more than {MAX_PROBES} bandwidth probes at once")
             self._probes += 1
         try:
             stream.sock.settimeout(PROBE_TIMEOUT_S)
             up, down = serve_probe(stream, self._key, nonce, request)
             log.info("bandwidth probe from %s: %d bytes up, %d bytes down", stream.name, up, down)
             stream.close()
-        except Refused as exc:
-            raise HandshakeRefused(exc.code, exc.reason) from exc  # answered with ERROR by the caller
         finally:
             with self._lock:
                 self._probes -= 1
 
-    def _on_hello(self, stream: Stream, nonce: bytes, hello: Hello, entry: Unauthenticated) -> None:
-        check_hello(hello, key=self._key, nonce=nonce, who=f"learner {hello.learner_id} ({stream.name})",
-                    pinned=self._pinned(), schedule_problem=self._schedule_problem, id_conflict=self._id_conflict)
+    def _check(self, hello: Hello, nonce: bytes, peer: str) -> None:
+        try:
+            check_hello(hello, key=self._key, nonce=nonce, who=f"learner {hello.learner_id} ({peer})",
+                        pinned=self._pinned(), schedule_problem=self._schedule_problem, id_conflict=self._id_conflict)
+        except HandshakeRefused as exc:
+            raise Refused(exc.code, exc.reason) from exc
+
+    def _open_pending(self, hello: Hello, control: Stream) -> _Pending:
+        """Number the group WELCOME opens and wait for its data streams (which may attach before its
+        MANIFEST is read)."""
         with self._lock:
             generation = self._generations.get(hello.learner_id, 0) + 1
             self._generations[hello.learner_id] = generation
-            token = auth.new_token()
-            pending = _Pending(hello, generation, stream, [None] * hello.data_streams, time.monotonic())
-            self._pending[token] = pending
-        mac = auth.sign(self._key, auth.WELCOME_LABEL, hello.client_nonce, token, generation.to_bytes(4, "little"))
-        try:
-            stream.send_frame(Welcome(token, generation, self._initial_cut_ready(), mac))
-            if hello.flags & HELLO_SENDS_MANIFEST:
-                pending.manifest, pending.bound = self._read_manifest(stream, hello)
-            self._hand_over(entry)
-        except BaseException:
-            with self._lock:
-                self._pending.pop(token, None)
-            raise
-        # Only now may the group's reader threads own the control stream: until the MANIFEST was
-        # read here, a control reader started by the last ATTACH would race this thread for bytes.
-        pending.ready.set()
+            pending = _Pending(hello, generation, auth.new_token(), control, [None] * hello.data_streams,
+                               time.monotonic())
+            self._pending[pending.token] = pending
+        return pending
 
-    def _read_manifest(self, stream: Stream, hello: Hello) -> tuple[Manifest, int]:
-        """Learner 0's model description: the layout it implies must match its own fingerprint."""
-        manifest = stream.read_message()
-        if not isinstance(manifest, Manifest):
-            raise HandshakeRefused(ErrorCode.PROTOCOL, f"expected MANIFEST after WELCOME, got {manifest.TYPE.name}")
-        if (manifest.num_fragments, manifest.pattern) != (self._num_fragments, self._pattern):
-            raise HandshakeRefused(ErrorCode.LAYOUT, f"manifest asks for {manifest.num_fragments} {manifest.pattern} "
-                                   f"fragments; the syncer uses {self._num_fragments} {self._pattern}")
-        try:
-            layout = build_layout(manifest.specs, manifest.num_fragments, manifest.pattern)
-        except ValueError as exc:
-            raise HandshakeRefused(ErrorCode.LAYOUT, f"manifest of learner {hello.learner_id}: {exc}") from exc
-        if layout.fingerprint != hello.fingerprint:
-            raise HandshakeRefused(ErrorCode.LAYOUT, f"learner {hello.learner_id}'s manifest does not produce the "
-                                   "fingerprint it sent in HELLO")
-        return manifest, max(f.numel for f in layout.fragments) * 4
+    def _pending_learner(self, token: bytes) -> int | None:
+        with self._lock:
+            pending = self._pending.get(token)
+        return None if pending is None else pending.hello.learner_id
 
-    def _on_attach(self, stream: Stream, nonce: bytes, attach: Attach, entry: Unauthenticated) -> None:
+    def _on_attach(self, stream: Stream, attach: Attached, entry: Unauthenticated) -> None:
+        self._hand_over(entry)
         with self._lock:
             pending = self._pending.get(attach.token)
-        if pending is None:
-            raise HandshakeRefused(ErrorCode.PROTOCOL, "ATTACH names no pending connection group")
-        if not auth.verify(self._key, attach.mac, auth.ATTACH_LABEL, nonce, attach.token, bytes([attach.index])):
-            raise HandshakeRefused(ErrorCode.AUTH, f"HMAC check failed on a data stream of learner "
-                                   f"{pending.hello.learner_id}")
-        self._hand_over(entry)
-        if attach.index >= len(pending.data) or pending.data[attach.index] is not None:
-            raise HandshakeRefused(ErrorCode.PROTOCOL, f"data stream index {attach.index} is invalid or taken")
-        with self._lock:
+            if pending is None:  # expired since the ATTACH was checked
+                raise Refused(ErrorCode.PROTOCOL, "ATTACH names no pending connection group")
+            if attach.index >= len(pending.data) or pending.data[attach.index] is not None:
+                raise Refused(ErrorCode.PROTOCOL, f"data stream index {attach.index} is invalid or taken")
             pending.data[attach.index] = stream
             complete = all(s is not None for s in pending.data)
             if complete:
                 del self._pending[attach.token]
         if complete:
             if not pending.ready.wait(self._handshake_timeout_s):
-                raise HandshakeRefused(ErrorCode.PROTOCOL, f"learner {pending.hello.learner_id}'s handshake did "
-                                       "not finish in time")
+                raise Refused(ErrorCode.PROTOCOL, f"learner {pending.hello.learner_id}'s handshake did not finish "
+                              "in time")
             self._start_group(pending)
 
     def _start_group(self, p: _Pending) -> None:

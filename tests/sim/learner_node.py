@@ -21,7 +21,6 @@ import torch
 
 from tests.sim.network import Connection, Latency
 from tests.sim.scheduler import Actor, Scheduler
-from yeto_core.client import hello_for
 from yeto_core.codecs import F32, Codec, tensor_bytes
 from yeto_core.downlink import AnchorMismatch, BroadcastReader
 from yeto_core.layout import Layout
@@ -30,6 +29,7 @@ from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, Push
 from yeto_core.probe import ProbeResult
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire import auth
+from yeto_core.wire.connection import hello_for
 from yeto_core.wire.errors import Refused
 from yeto_core.wire.messages import INSTANCE_BYTES, Bcast, Bye, Consensus, Error, Final, Init, Message, Push
 

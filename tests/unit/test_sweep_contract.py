@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from syncer.core.links import sweep_problem
-from yeto_core.client import SWEEP_FLAGS
+from yeto_core.wire.connection import SWEEP_FLAGS
 from yeto_core.wire.messages import HELLO_SWEEP_OVERLAP, HELLO_SWEEPS
 
 pytestmark = pytest.mark.unit

@@ -35,7 +35,8 @@ class ConnectionClosed(WireError):
 
 
 class Refused(WireError):
-    """The peer refused us with an ERROR frame; `code` tells whether retrying can help."""
+    """A refusal with an ERROR code: the peer refused us, or (raised by a handshake check) we refuse
+    the peer; `code` tells whether retrying can help."""
 
     def __init__(self, code: ErrorCode, reason: str) -> None:
         super().__init__(f"{code.name.lower()}: {reason}")

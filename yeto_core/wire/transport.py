@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.wire.buffers import receive_buffer
+from yeto_core.wire.connection import Event, Handshake
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
@@ -150,6 +151,29 @@ class Stream:
     def read_message(self, *, max_body: int = MAX_CONTROL_BODY, idle: Callable[[], None] | None = None) -> Message:
         kind, body = self.read_frame(max_body=max_body, idle=idle)
         return decode_body(kind, memoryview(body))
+
+    def handshake(self, machine: Handshake) -> list[Event]:
+        """Run a sans-I/O handshake (`connection.py`) over this socket until it ends: write what it
+        says to write, read no more than it wants (never a byte of what follows the handshake),
+        and hold it to its deadline however slowly bytes trickle in. Returns its events."""
+        events: list[Event] = []
+        while True:
+            deadline = machine.next_deadline()
+            if deadline is not None:
+                now = time.monotonic()
+                if machine.timed_out(now):
+                    raise TimeoutError(f"{self.name}: the handshake passed its deadline")
+                self.sock.settimeout(deadline - now)
+            out = machine.data_to_send()
+            if out:
+                with self._send_lock:
+                    self.sock.sendall(out)
+            if deadline is None:
+                return events
+            data = self.sock.recv(min(machine.bytes_wanted(), SEND_PIECE))
+            if not data:
+                raise ConnectionClosed(f"{self.name}: peer closed the connection")
+            events += machine.receive_data(data)
 
     def close(self) -> None:
         if self._closed:
