@@ -13,8 +13,9 @@ A join (a redial, a restarted process) starts it TRAINING again from any state; 
 every connected learner at once (one that already said goodbye stays QUIT). Whom the run waits
 for follows from the states alone: rounds wait for TRAINING learners; finalization waits
 `--rejoin-wait-s` for AWAY ones (they may come back to train); a finalizing syncer waits, until
-its deadline, for every learner not HAS_CUT or QUIT (only the goodbye a learner says once it
-installed the cut proves it arrived). Quorums stop counting on a learner once it said DONE.
+its deadline, for every learner not HAS_CUT or QUIT, away only if it trained (pushed, finished,
+or named by a resumed checkpoint; only the goodbye a learner says once it installed the cut
+proves it arrived). Quorums stop counting on a learner once it said DONE.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class LearnerLife:
     # It said DONE since it last joined: it finished training on purpose, so quorums no longer
     # count on it, whatever it does next (a goodbye, a lost link).
     done: bool = False
+    # It pushed (or finished, or a resumed checkpoint names it): a finalizing syncer waits for it
+    # to come back for the cut. A peer that only connected is not waited for, though it gets the
+    # cut if it comes back while the syncer finalizes.
+    trained: bool = False
 
     def move(self, to: Life, now: float, learner_id: int) -> None:
         if to is not self.state and to not in TRANSITIONS[self.state]:
@@ -79,12 +84,13 @@ class Lives:
 
     def joined(self, learner_id: int, now: float) -> None:
         """A connection passed its handshake: whatever came before, it trains (again)."""
-        self.by_id[learner_id] = LearnerLife(Life.TRAINING, now)
+        before = self.by_id.get(learner_id)
+        self.by_id[learner_id] = LearnerLife(Life.TRAINING, now, trained=before is not None and before.trained)
 
     def expect(self, learner_id: int, state: Life, now: float) -> None:
         """A resumed syncer: a learner its checkpoint names, not connected yet (AWAY or LOST)."""
         assert state in (Life.AWAY, Life.LOST)
-        self.by_id.setdefault(learner_id, LearnerLife(state, now))
+        self.by_id.setdefault(learner_id, LearnerLife(state, now, trained=True))
 
     def move(self, learner_id: int, to: Life, now: float) -> None:
         self.by_id[learner_id].move(to, now, learner_id)
@@ -114,6 +120,8 @@ class Lives:
         return {lid: life.since for lid, life in self.by_id.items() if life.state is Life.AWAY}
 
     def waited_for(self) -> list[int]:
-        """Whom a finalizing syncer still waits for."""
-        return self.ids(*WAITED_FOR)
+        """Whom a finalizing syncer still waits for: the connected ones without the cut, and those
+        away or lost that trained."""
+        return sorted(lid for lid, life in self.by_id.items() if life.state in WAITED_FOR
+                      and (life.trained or life.state not in (Life.AWAY, Life.LOST)))
 

@@ -309,6 +309,7 @@ class SyncerProtocol:
         if isinstance(msg, Init):
             self._on_init(link, msg, payload, screened)
         elif isinstance(msg, Push):
+            self.shared.lives[link.learner_id].trained = True
             self.intake.on_push(link, msg, payload, screened)
         elif isinstance(msg, Done):
             self._on_done(link, msg)
@@ -327,7 +328,7 @@ class SyncerProtocol:
         life = self.shared.lives[link.learner_id]
         if life.done:
             return
-        life.done = True
+        life.done = life.trained = True
         if life.state is Life.TRAINING:
             life.move(Life.FINISHED, self.shared.now, link.learner_id)
         log.info("learner %d finished training at its step %d", link.learner_id, msg.step)

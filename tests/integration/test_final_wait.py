@@ -27,6 +27,9 @@ def test_a_learner_that_dropped_once_and_left_after_the_final_cut_does_not_hold_
         group.close("test: the link drops without a goodbye")  # the learner redials by itself
         island.train_until(lambda: False, 60, "the final cut")
         assert island.session.stats.final_installed
+        # The goodbye it says on installing the cut is what tells the syncer; then it vanishes.
+        wait_until(lambda: "learner 0 says goodbye (final cut installed)" in syncer.proc.stderr(), 10,
+                   "the goodbye said with the final cut", on_timeout=syncer.proc.tail)
     finally:
         island.session.link.close("test: gone without a goodbye", bye=False)
     started = time.monotonic()

@@ -17,7 +17,18 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import Island, Procs, Syncer, checkpoint_params, dial, hello, join_raw, start_syncer, syncer_exit_code
+from conftest import (
+    Island,
+    Procs,
+    Syncer,
+    checkpoint_params,
+    dial,
+    hello,
+    join_raw,
+    start_syncer,
+    syncer_exit_code,
+    wait_until,
+)
 
 from syncer.durability.checkpoint import load_checkpoint
 from yeto_core.wire.messages import MsgType, encode_frame
@@ -131,6 +142,8 @@ def test_fuzzed_connections_leave_the_syncer_and_the_honest_learner_unaffected(p
         rss_before = rss_kib(syncer.proc.pid)
         attacker = Attacker(syncer, island.fingerprint, key, seed=1234)
         attacker.start()
+        # The island pauses mid-run until the attack is well under way: the run must not end first.
+        wait_until(lambda: attacker.sent >= 50 or not attacker.is_alive(), ATTACK_BUDGET_S, "50 fuzzed connections")
         island.train_until(lambda: False, 90, "the final cut")
         attacker.join(ATTACK_BUDGET_S + 15)
         assert not attacker.is_alive(), "the attacker did not finish"

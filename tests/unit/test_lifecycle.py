@@ -29,10 +29,13 @@ def test_leaving_without_a_goodbye_is_away_while_training_and_lost_after() -> No
     lives.move(1, Life.FINISHED, 1.0)
     lives.move(2, Life.FINISHED, 1.0)
     lives.move(2, Life.CUT_SENT, 2.0)
+    lives[0].trained = lives[2].trained = True  # learner 1 only connected: it pushed nothing
     for lid in (0, 1, 2):
         lives.left(lid, 5.0, trained=True)
     assert [lives.get(lid) for lid in (0, 1, 2)] == [Life.AWAY, Life.LOST, Life.LOST]
-    assert lives.away() == {0: 5.0} and lives.waited_for() == [0, 1, 2]
+    assert lives.away() == {0: 5.0} and lives.waited_for() == [0, 2]
+    lives.joined(1, 6.0)
+    assert lives.waited_for() == [0, 1, 2]  # connected again: it gets the cut like anyone
 
 
 def test_a_goodbye_ends_the_wait_for_a_learner_and_a_join_starts_it_over() -> None:
