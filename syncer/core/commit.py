@@ -55,6 +55,11 @@ class Commit:
         for a in answers:
             key = ledger_key(a.learner_id, a.generation)
             state.ledger[key] = state.ledger.get(key, 0) + a.tokens
+            run.merged_rounds.setdefault(a.origin, set()).add(a.learner_id)
+        # A push later than max_base_lag commits of its fragment is refused anyway: older rounds go.
+        horizon = state.next_round - state.num_fragments * (run.settings.max_base_lag + 2)
+        for old in [r for r in run.merged_rounds if r < horizon]:
+            del run.merged_rounds[old]
         record = records.Commit(
             round=attempt.round, attempt=attempt.attempt, fragment=f, version=state.versions[f],
             learners=[a.learner_id for a in answers], generations=[a.generation for a in answers],

@@ -87,7 +87,8 @@ class PushIntake:
                      ev.msg.round)
             return
         attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps,
-                                                delta.to(self.device), ev.msg.base_version, at=self.shared.now)
+                                                delta.to(self.device), ev.msg.base_version, at=self.shared.now,
+                                                origin=ev.msg.round)
 
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         state, layout, rounds = self.shared.state, self.shared.layout, self.shared.rounds
@@ -97,7 +98,8 @@ class PushIntake:
                           fragment=msg.fragment, base_version=msg.base_version,
                           round_fragment=fragment_of_round(r, layout.num_fragments),
                           round_state=rounds.state_of(r, state.next_round), attempt=rounds.attempt_of(r),
-                          version_now=state.versions[msg.fragment], cfg=self.sched)
+                          version_now=state.versions[msg.fragment], cfg=self.sched,
+                          merged=link.learner_id in self.shared.merged_rounds.get(r, ()))
 
     def refuse_push(self, link: Link, msg: Push, reason: str) -> None:
         log.warning("learner %d: push for round %d refused: %s", link.learner_id, msg.round, reason)
@@ -123,5 +125,5 @@ class PushIntake:
                     log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
                 continue
             attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
-                                          c.msg.base_version, carried=True)
+                                          c.msg.base_version, carried=True, origin=c.msg.round)
         del self.carried[fragment]

@@ -65,6 +65,7 @@ class Answer:
     carried: bool = False
     at: float = 0.0  # when it arrived (the coordinator's clock)
     age: int = 0  # commits of its fragment since this learner's last merged answer to it (set for the merge)
+    origin: int = -1  # the round the push answered (a carried one: the round it was late for)
 
 
 @dataclasses.dataclass
@@ -284,11 +285,15 @@ def judge_push(
     attempt: Attempt | None,
     version_now: int,
     cfg: SchedulerConfig,
+    merged: bool = False,
 ) -> tuple[PushFate, str]:
     """What to do with a push (DESIGN §4.3, §4.6). `attempt` is the attempt of the push's round
-    (when `round_state` is OPEN or GRACE); `version_now` the fragment's current global version."""
+    (when `round_state` is OPEN or GRACE); `version_now` the fragment's current global version;
+    `merged`: this learner's answer to this round is already in a commit (a push sent twice)."""
     if fragment != round_fragment:
         return PushFate.REFUSE, f"round {round_id} merges fragment {round_fragment}, not {fragment}"
+    if merged:
+        return PushFate.REFUSE, f"learner {learner_id}'s answer to round {round_id} is already merged"
     if round_state is RoundState.UNLAUNCHED:
         return PushFate.REFUSE, f"round {round_id} was never launched"
     if round_state is RoundState.ABANDONED:

@@ -35,6 +35,9 @@ class RunState:
     # learner process's first join): how stale its next answer is (`answer_ages`). Not durable: a
     # restarted syncer counts every learner's next answer as fresh.
     merged_versions: dict[int, dict[int, int]] = field(default_factory=dict)
+    # round -> learners whose answer to it is merged, for the recent rounds a late push may still
+    # name: a push sent twice is refused instead of carried into a later round and counted again.
+    merged_rounds: dict[int, set[int]] = field(default_factory=dict)
     phase: Phase = Phase.WAIT_INIT
     state: SyncerState | None = None  # None until learner 0's manifest (or a checkpoint) pins the model
     layout: Layout | None = None

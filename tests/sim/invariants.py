@@ -10,7 +10,8 @@
   commits that count (those a crash did not undo), and no learner process has more tokens
   committed for a fragment than it trained.
 * Every learner that reaches the end holds the final cut, bit for bit, and none that trained to
-  its end without a refusal misses it.
+  its end without a refusal misses it, unless the syncer finalized while it was away and before
+  its first push (such a learner is not waited for, DESIGN §4.7).
 * A process with the wrong key is refused and never joins.
 """
 
@@ -137,6 +138,7 @@ def _final_cut(run: Run, problems: list[str]) -> None:
     final = run.final_state
     if final is None:
         return
+    waited_for = run.incarnations[-1].finalizing_waits_for or set()
     for t in run.trained:
         if t.final_installed:
             assert t.finals is not None
@@ -144,6 +146,6 @@ def _final_cut(run: Run, problems: list[str]) -> None:
                 if not torch.equal(mine, theirs):
                     problems.append(f"learner {t.learner_id} (process {t.process}) installed a final cut that "
                                     f"differs from the syncer's in fragment {f}")
-        elif not t.crashed and t.refused is None:
+        elif not t.crashed and t.refused is None and t.learner_id in waited_for:
             problems.append(f"learner {t.learner_id} (process {t.process}) trained to its end but never got the "
                             "final cut")

@@ -103,6 +103,9 @@ class SyncerNode:
         self.listening = True
         self.processes: dict[int, int] = {}  # generation's (learner, generation) -> process, as a flat key
         self._on_commit = on_commit
+        # Whom the syncer waited for when it began to finalize (DESIGN §4.7): a learner away then
+        # that had not pushed yet is not waited for, and misses the cut if it is back too late.
+        self.finalizing_waits_for: set[int] | None = None
         self._held: int | None = state.next_round if state is not None else None  # the round last reported
         self._tick_token = 0
         self._schedule_tick()
@@ -152,6 +155,8 @@ class SyncerNode:
         if self.co.initial_cut_ready() and state is not None and state.next_round != self._held:  # a cut, or a commit
             self._held = state.next_round
             self._on_commit(self)
+        if self.finalizing_waits_for is None and self.co.protocol.phase in (Phase.FINALIZING, Phase.DONE):
+            self.finalizing_waits_for = set(self.co.protocol.shared.lives.waited_for())
         if self.done:
             self._exit()
         else:

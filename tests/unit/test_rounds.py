@@ -312,3 +312,10 @@ def test_a_learner_that_left_while_training_is_waited_for_until_its_rejoin_windo
     # The round budget ends the run whoever is away.
     assert should_finalize(next_round=10, total_rounds=10, training=0, finished=2, away={2: 100.0}, now=100.0,
                            rejoin_wait_s=60.0) == (True, "completed 10 rounds")
+
+
+def test_a_push_whose_answer_is_already_merged_is_refused_not_carried() -> None:
+    fate, why = judge_push(learner_id=1, generation=1, round_id=4, attempt_id=5, fragment=0, base_version=2,
+                           round_fragment=0, round_state=RoundState.COMMITTED, attempt=None, version_now=3,
+                           cfg=CFG, merged=True)
+    assert fate is PushFate.REFUSE and "already merged" in why
