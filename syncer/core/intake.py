@@ -55,6 +55,7 @@ class PushIntake:
         if fate is PushFate.REFUSE:
             self.refuse_push(link, msg, problem)
             return
+        self.shared.lives[lid].trained = True  # a push taken in (a refused one trains nothing)
         assert payload is not None
         if fate is PushFate.CARRY:
             # Waits still encoded; decoded only when it joins the fragment's next round.

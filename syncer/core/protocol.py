@@ -309,7 +309,6 @@ class SyncerProtocol:
         if isinstance(msg, Init):
             self._on_init(link, msg, payload, screened)
         elif isinstance(msg, Push):
-            self.shared.lives[link.learner_id].trained = True
             self.intake.on_push(link, msg, payload, screened)
         elif isinstance(msg, Done):
             self._on_done(link, msg)

@@ -13,7 +13,7 @@ from conftest import Island, Procs, Syncer, checkpoint_params, join_raw, start_s
 from syncer.durability.checkpoint import load_checkpoint
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.wire.errors import ErrorCode
-from yeto_core.wire.messages import Error, Message, Pull, Push
+from yeto_core.wire.messages import Bye, Error, Message, Pull, Push
 from yeto_core.wire.transport import ConnectionGroup
 
 pytestmark = pytest.mark.integration
@@ -22,8 +22,8 @@ ROUNDS = 40
 
 
 def close_both(group: ConnectionGroup | None, island: Island) -> None:
-    if group is not None:
-        group.close("test: cleanup")
+    if group is not None:  # a goodbye, as a learner says it: else a syncer finalizing waits for it to return
+        group.close("test: cleanup", last=Bye("test: cleanup"))
         group.join(10)
     island.close()
 
