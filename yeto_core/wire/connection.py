@@ -14,6 +14,7 @@ belongs to the connection group after the handshake.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 from collections.abc import Callable
@@ -164,7 +165,7 @@ class ProbeRequested:
 Event = Challenged | Welcomed | Refusal | Attached | Admitted | ProbeRequested
 
 
-class Handshake:
+class Handshake(abc.ABC):
     """Frames in, events and bytes out, as the role's `TABLE` allows."""
 
     TABLE: ClassVar[Table]
@@ -238,8 +239,9 @@ class Handshake:
     def _send(self, msg: Message) -> None:
         self._outbox += encode_frame(msg)
 
+    @abc.abstractmethod
     def _handle(self, msg: Message) -> tuple[HandshakeState, list[Event]]:
-        raise NotImplementedError
+        """A frame the table allows in the current state: the next state and the events it makes."""
 
 
 class LearnerHandshake(Handshake):
