@@ -252,8 +252,9 @@ class Run:
         prefix = self.workdir / f"{arm.name}-seed{self.seed}"
         # Lockstep: every learner answers every round, launched as soon as asked. Unpaced: the
         # syncer's shipped quorum, grace and pacing.
-        pacing = ["--sync-interval-steps", str(s.h)] if arm.unpaced else ["--quorum", str(m),
-                                                                          "--sync-interval-steps", "0"]
+        h = int(arm.learner.get("sync_interval", s.h))  # the syncer's H, which its learners take at the handshake
+        lockstep = ["--quorum", str(m), "--sync-interval-steps", "0"]
+        pacing = ["--sync-interval-steps", str(h)] if arm.unpaced else lockstep
         syncer = start_syncer(prefix, key_file, m, [*pacing, *arm.syncer])  # it starts while the models are built
         sessions: list[LearnerSession] = []
         try:
@@ -264,7 +265,7 @@ class Run:
             for i, trainee in enumerate(trainees):
                 model = trainee.model
                 settings = load_settings(LearnerSettings, syncer=address, key_file=key_file, learner_id=i,
-                                         lockstep=not arm.unpaced, **{"sync_interval": s.h, **arm.learner})
+                                         lockstep=not arm.unpaced, **{**arm.learner, "sync_interval": h})
                 sessions.append(LearnerSession(settings, synced_parameters(model, settings.tuning),
                                                embedding_names=embedding_names(model)))
             together([session.start for session in sessions])

@@ -16,7 +16,8 @@ What runs
   buffer), `PushIntake.on_push` returning with the push accepted (payload decoded into a
   float32 delta, checked finite, stored as the round's answer: ready to merge), and, for the
   breakdowns only, `Reassembler._get` creating a transfer's receive buffer, `check_finite`,
-  `SyncerProtocol._pin` (allocating the global state) and `SyncerProtocol._on_init`.
+  `SyncerProtocol._pin` (allocating the global state) and `InitialCut.on_init` / `InitialCut.checked`
+  (an INIT fragment taken up, then stored once the coordinator answered its check).
 * **The learner side** is `yeto_core.client.SyncerClient`, the object a `LearnerSession` pushes
   and uploads through, driven directly, so no training-thread work (gathering a fragment,
   subtracting the anchor, installing broadcasts) overlaps the measurement. The model is a
@@ -91,13 +92,14 @@ def _probed_syncer(argv: list[str]) -> int:
     stdout after a PUSH was fully reassembled, after it was stored, and at the initial cut,
     never while a transfer is being received.
     """
+    from syncer.core import initial_cut as ic
     from syncer.core import intake as it
     from syncer.core import payload as pl
     from syncer.core import protocol as pr
     from syncer.core.events import Got
     from syncer.service import coordinator as co
     from syncer.service.cli import main
-    from yeto_core.wire import transport
+    from yeto_core.wire import reassembly
     from yeto_core.wire.messages import Push
 
     def stamp(**fields: Any) -> None:
@@ -106,11 +108,11 @@ def _probed_syncer(argv: list[str]) -> int:
 
     allocs: dict[int, tuple[float, float]] = {}  # transfer id -> receive buffer allocation span
     checks: list[tuple[float, float]] = []
-    orig_get = transport.Reassembler._get
+    orig_get = reassembly.Reassembler._get
     orig_post = co.Coordinator.post
     orig_on_push = it.PushIntake.on_push
     orig_on_decoded = it.PushIntake.on_decoded
-    orig_check_finite = pr.check_finite
+    orig_check_finite = pl.check_finite
 
     def get(self: Any, transfer: int, total: int) -> Any:
         if transfer in self._transfers:  # called under the reassembler's lock
@@ -153,15 +155,17 @@ def _probed_syncer(argv: list[str]) -> int:
 
     init_spans: dict[str, float] = {"pin": 0.0, "rx_alloc": 0.0, "store": 0.0}
     orig_pin = pr.SyncerProtocol._pin
-    orig_on_init = pr.SyncerProtocol._on_init
-    orig_initial_cut = pr.SyncerProtocol._initial_cut
+    orig_on_init = ic.InitialCut.on_init
+    orig_checked = ic.InitialCut.checked
+    orig_cut = ic.InitialCut._cut
 
     def pin(self: Any, layout: Any) -> None:
         t0 = time.time()
         orig_pin(self, layout)
         init_spans["pin"] += time.time() - t0
 
-    cut_at: list[float] = []  # when `_initial_cut` was entered (it writes the tape's `init` record)
+    cut_at: list[float] = []  # when `_cut` was entered (it writes the tape's `init` record)
+    taken_up: dict[int, float] = {}  # fragment -> when its INIT was taken up (the coordinator then checks it)
 
     def on_init(self: Any, link: Any, msg: Any, payload: Any, *rest: Any) -> None:
         if cut_at:  # a replayed INIT after the initial cut: ignored by the syncer, not counted
@@ -169,15 +173,21 @@ def _probed_syncer(argv: list[str]) -> int:
             return
         a0, a1 = allocs.pop(msg.transfer, (0.0, 0.0))
         init_spans["rx_alloc"] += a1 - a0
-        t0 = time.time()
-        orig_on_init(self, link, msg, payload, *rest)  # the last fragment's call runs `_initial_cut` inside
+        taken_up[msg.fragment] = time.time()
+        orig_on_init(self, link, msg, payload, *rest)  # asks the coordinator to check the fragment
+
+    def checked(self: Any, ev: Any) -> None:
+        t0 = taken_up.pop(ev.fragment, None)
+        orig_checked(self, ev)  # stores the fragment; the last fragment's answer runs `_cut` inside
+        if t0 is None:
+            return
         init_spans["store"] += (cut_at[0] if cut_at else time.time()) - t0
         if cut_at:
             stamp(ev="init", round=-1, **init_spans)
 
     def initial_cut(self: Any) -> None:
         cut_at.append(time.time())
-        orig_initial_cut(self)
+        orig_cut(self)
 
     def orphan_watchdog() -> None:
         sys.stdin.read()  # returns at EOF: the benchmark closed the pipe or died
@@ -185,14 +195,14 @@ def _probed_syncer(argv: list[str]) -> int:
 
     threading.Thread(target=orphan_watchdog, name="bench-watchdog", daemon=True).start()
     pr.SyncerProtocol._pin = pin  # type: ignore[method-assign]
-    pr.SyncerProtocol._on_init = on_init  # type: ignore[method-assign]
-    pr.SyncerProtocol._initial_cut = initial_cut  # type: ignore[method-assign]
-    transport.Reassembler._get = get  # type: ignore[method-assign]
+    ic.InitialCut.on_init = on_init  # type: ignore[method-assign]
+    ic.InitialCut.checked = checked  # type: ignore[method-assign]
+    ic.InitialCut._cut = initial_cut  # type: ignore[method-assign]
+    reassembly.Reassembler._get = get  # type: ignore[method-assign]
     co.Coordinator.post = post  # type: ignore[method-assign]
     it.PushIntake.on_push = on_push  # type: ignore[method-assign]
     it.PushIntake.on_decoded = on_decoded  # type: ignore[method-assign]
-    pr.check_finite = check_finite  # type: ignore[assignment]  # INIT payloads
-    pl.check_finite = check_finite  # type: ignore[assignment]  # PUSH payloads
+    pl.check_finite = check_finite  # type: ignore[assignment]  # INIT and PUSH payloads
     return main(argv)
 
 
@@ -371,9 +381,9 @@ class Learner:
     def start(self) -> None:
         self.client.start(self._layout_for, lambda: 0)
 
-    def _layout_for(self, num_fragments: int, pattern: str) -> Any:
-        if (num_fragments, pattern) != (self.layout.num_fragments, self.layout.pattern):
-            raise RuntimeError(f"syncer asks for {num_fragments} {pattern} fragments")
+    def _layout_for(self, schedule: Any) -> Any:
+        if (schedule.num_fragments, schedule.pattern) != (self.layout.num_fragments, self.layout.pattern):
+            raise RuntimeError(f"syncer asks for {schedule.num_fragments} {schedule.pattern} fragments")
         return self.layout
 
     def pump(self, until: Callable[[], bool], timeout: float, what: str) -> None:

@@ -286,7 +286,7 @@ def release_buffers() -> None:
     """Give back what the M in-process learners' receive pool kept, before the next phase's memory."""
     import gc
 
-    from yeto_core.wire.buffers import RECEIVE_POOL
+    from yeto_core.buffers import RECEIVE_POOL
 
     gc.collect()
     RECEIVE_POOL.clear()

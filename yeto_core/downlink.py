@@ -11,6 +11,9 @@ Every broadcast names the SHA-256 of the anchor it leads to. A learner whose anc
 differently (a lost or corrupt update, a bug) raises `AnchorMismatch`; the client drops the
 connection, and the reconnect restores the anchor with a FULL send. A wrong model is never kept
 silently.
+
+`Downlink` says what each message from the syncer means to a learner's link (the values a
+broadcast carries, a refusal, a notice), the same for the socket client and the simulation.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch
 
 from yeto_core.codecs import BF16, F32, tensor_bytes
 from yeto_core.layout import Layout
-from yeto_core.wire.errors import ProtocolError
-from yeto_core.wire.messages import BCAST_DELTA, Bcast, Final
+from yeto_core.wire.errors import ProtocolError, Refused
+from yeto_core.wire.messages import BCAST_DELTA, Bcast, Bye, Consensus, Error, Final, Message, Pull
 
 FULL = 0x1
 DELTA = 0x2
@@ -45,8 +48,11 @@ class Broadcast:
     digest: bytes  # SHA-256 of the anchor after applying this broadcast
 
 
-class DownlinkEncoder:
-    """The syncer's side: one shared anchor per fragment for every delta-mode learner."""
+class DownlinkAnchors:
+    """The sending side's anchors: one shared f32 anchor per fragment for every delta-mode learner,
+    and the SHA-256 each leads to. The syncer's protocol keeps them as its own state and decides
+    which a broadcast is; its shell runs `encode_broadcast`. A fragment whose commit reached no
+    delta learner drops its anchor, so its chain starts again with a FULL."""
 
     def __init__(self, num_fragments: int, full_every: int) -> None:
         if full_every < 1:
@@ -55,20 +61,33 @@ class DownlinkEncoder:
         self.anchors: list[torch.Tensor | None] = [None] * num_fragments
         self.digests: list[bytes] = [b""] * num_fragments
 
+    def held(self, fragment: int) -> bool:
+        return self.anchors[fragment] is not None
+
+    def full_at(self, fragment: int, version: int, *, last: bool) -> bool:
+        """Whether `version` of `fragment` goes out FULL: no anchor yet, a fragment's last
+        version, or every `full_every` versions (a bound on the drift bf16 steps may add)."""
+        return self.anchors[fragment] is None or last or version % self.full_every == 0
+
+    def install(self, fragment: int, anchor: torch.Tensor, digest: bytes) -> None:
+        self.anchors[fragment] = anchor
+        self.digests[fragment] = digest
+
+    def drop(self, fragment: int) -> None:
+        """Nobody follows the chain: restart it with a FULL later."""
+        self.anchors[fragment] = None
+        self.digests[fragment] = b""
+
+
+class DownlinkEncoder(DownlinkAnchors):
+    """The anchors with the arithmetic done in place: each commit moves the shared anchor."""
+
     def commit(self, fragment: int, version: int, theta: torch.Tensor, *, last: bool = False) -> Broadcast:
         """The broadcast of `theta` (f32, CPU) as `fragment`'s `version`; advances the shared anchor."""
-        anchor = self.anchors[fragment]
-        if anchor is None or last or version % self.full_every == 0:
-            new = theta.detach().to("cpu", dtype=torch.float32, copy=True)
-            self.anchors[fragment] = new
-            self.digests[fragment] = anchor_digest(new)
-            return Broadcast(FULL, F32.wire_id, tensor_bytes(new.clone()), self.digests[fragment])
-        diff = theta.detach().to("cpu", dtype=torch.float32) - anchor
-        encoded = bytearray(BF16.encoded_nbytes(diff.numel()))
-        BF16.encode(diff, memoryview(encoded))
-        apply_delta(anchor, memoryview(encoded))
-        self.digests[fragment] = anchor_digest(anchor)
-        return Broadcast(DELTA, BF16.wire_id, memoryview(encoded), self.digests[fragment])
+        full = self.full_at(fragment, version, last=last)
+        anchor, out = encode_broadcast(None if full else self.anchors[fragment], theta)
+        self.install(fragment, anchor, out.digest)
+        return out
 
     def full(self, fragment: int) -> Broadcast:
         """A FULL resend of the shared anchor (for a learner that joins or reconnects)."""
@@ -76,6 +95,21 @@ class DownlinkEncoder:
         if anchor is None:
             raise ValueError(f"fragment {fragment} has no downlink anchor yet")
         return Broadcast(FULL, F32.wire_id, tensor_bytes(anchor.clone()), self.digests[fragment])
+
+
+def encode_broadcast(anchor: torch.Tensor | None, theta: torch.Tensor) -> tuple[torch.Tensor, Broadcast]:
+    """The broadcast that takes a downlink anchor to `theta` (f32, any device), and the anchor it
+    leads to: with no `anchor`, a FULL (the new anchor is a copy of `theta` on the CPU, the
+    payload another copy, so the anchor may move later while a send still reads the payload);
+    otherwise a DELTA, bf16(theta − anchor), and `anchor` moved by it in place."""
+    if anchor is None:
+        new = theta.detach().to("cpu", dtype=torch.float32, copy=True)
+        return new, Broadcast(FULL, F32.wire_id, tensor_bytes(new.clone()), anchor_digest(new))
+    diff = theta.detach().to("cpu", dtype=torch.float32) - anchor
+    encoded = bytearray(BF16.encoded_nbytes(diff.numel()))
+    BF16.encode(diff, memoryview(encoded))
+    apply_delta(anchor, memoryview(encoded))
+    return anchor, Broadcast(DELTA, BF16.wire_id, memoryview(encoded), anchor_digest(anchor))
 
 
 def apply_delta(anchor: torch.Tensor, encoded: memoryview) -> None:
@@ -139,3 +173,38 @@ class BroadcastReader:
         if isinstance(msg, Bcast) and self.downlink is not None:
             return self.downlink.apply(msg.fragment, msg.version, msg.flags, payload, msg.digest)
         return torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What one message from the syncer means to the learner's link."""
+
+    values: torch.Tensor | None = None  # a BCAST's or FINAL's fragment values
+    refusal: Refused | None = None  # a permanent ERROR: this learner is refused for good
+    notice: Error | None = None  # any other ERROR: reported, and the link goes on
+    consensus: bool = False  # the syncer speaks the consensus messages (it sent CONSENSUS)
+
+
+class Downlink:
+    """The learner's reading of the syncer's messages. Its broadcast reader, and so the downlink
+    anchor, is kept across connections."""
+
+    def __init__(self, *, bcast_delta: bool) -> None:
+        self.bcast_delta = bcast_delta
+        self.reader: BroadcastReader | None = None  # made at the first broadcast
+
+    def route(self, msg: Message, payload: memoryview | None, layout: Layout | None) -> Routed:
+        """Raises AnchorMismatch for a broadcast that does not lead to the anchor it names, and
+        ProtocolError for a message a syncer never sends a learner."""
+        if isinstance(msg, Bcast | Final):
+            if self.reader is None:
+                assert layout is not None, "a broadcast comes after WELCOME, which gives the layout"
+                self.reader = BroadcastReader(layout, bcast_delta=self.bcast_delta)
+            return Routed(values=self.reader.values(msg, payload))
+        if isinstance(msg, Error):
+            return Routed(refusal=Refused(msg.code, msg.reason)) if msg.code.permanent else Routed(notice=msg)
+        if isinstance(msg, Consensus):
+            return Routed(consensus=True)
+        if not isinstance(msg, Pull | Bye):
+            raise ProtocolError(f"unexpected {type(msg).__name__} from the syncer")
+        return Routed()

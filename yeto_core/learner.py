@@ -9,8 +9,10 @@ once per optimizer step. The session never blocks a step on the network:
   the tokens and steps trained since the anchor (the syncer weights learners by tokens²/steps).
 * **Schedule.** The syncer PULLs fragments round by round; the session answers at its
   boundaries, one every max(1, H // P) steps (streaming DiLoCo), gathering one fragment per
-  boundary. A pull waits while a push is still streaming or while the fragment's anchor is
-  older than the version the pull names (its BCAST has not been installed yet).
+  boundary. H and P are the syncer's: its CHALLENGE announces them, and a learner setting that
+  disagrees is refused at the handshake rather than followed. A pull waits while a push is still
+  streaming or while the fragment's anchor is older than the version the pull names (its BCAST
+  has not been installed yet).
 * **Background sender.** The delta is computed on the training thread (one memory pass); the
   link's sender thread encodes and streams it.
 * **Sans-I/O.** The session owns no socket, thread or wall clock: it talks to the syncer
@@ -50,8 +52,8 @@ from yeto_core.fragment_sync import FragmentSync
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import MONOTONIC, Clock, Connected, Inbound, InitWanted, Link, Lost, PushEnded, PushJob
-from yeto_core.probe import PROBE_EXIT_CODE
-from yeto_core.refusal import stop_if_refused
+from yeto_core.refusal import ProbeFailed, stop_if_refused
+from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Schedule
 from yeto_core.settings import LearnerSettings
 from yeto_core.store import FRAGMENT_POOL, STEADY_FRAGMENT_BUFFERS, LocalStore, TensorStore, nonfinite_tensor
 from yeto_core.wire.errors import ErrorCode, Refused, WireError
@@ -105,6 +107,7 @@ class LearnerSession:
         self._generation: int | None = None
         self._last_step_at: float | None = None
         self._step_s: float | None = None
+        self._sync_interval = settings.sync_interval or DEFAULT_SYNC_INTERVAL  # the syncer's, once announced
         self.consensus = ConsensusReporter(probe, settings.consensus, learner_id=settings.learner_id)
 
     def _syncer_client(self) -> Link:
@@ -152,17 +155,38 @@ class LearnerSession:
         return self.sync.pulls_to_answer()
 
     @property
+    def sync_interval(self) -> int:
+        """H, the steps per fragment round trip: the syncer's, as its last CHALLENGE announced it, or
+        this learner's own (else the default) under a syncer that does not pace by steps. Until the
+        first CHALLENGE no boundary counts by it: there is no layout, nothing to push yet."""
+        return self._sync_interval
+
+    @property
     def boundary_every(self) -> int:
         num = self.layout.num_fragments if self.layout else 1
-        return max(1, self.settings.sync_interval // num)
+        return max(1, self.sync_interval // num)
 
     # -- set-up ------------------------------------------------------------------------------
-    def _layout_for(self, num_fragments: int, pattern: str) -> Layout:
-        """Asked by the link on every CHALLENGE: the layout to fingerprint in HELLO."""
+    def _interval_for(self, announced: int) -> int:
+        """The H this learner follows under a syncer that announces `announced`. The syncer paces
+        rounds by it, so a learner that keeps another would answer its pulls too early or too late:
+        one set to disagree is refused for good, with both values, rather than silently overruled."""
+        own = self.settings.sync_interval
+        if announced and own is not None and own != announced:
+            raise Refused(ErrorCode.CONTRACT, f"YETO_DILOCO_SYNC_INTERVAL={own}, but the syncer runs H={announced} "
+                          "(--sync-interval-steps); unset it to take the syncer's")
+        return announced or own or DEFAULT_SYNC_INTERVAL
+
+    def _layout_for(self, schedule: Schedule) -> Layout:
+        """Asked by the link on every CHALLENGE: the layout to fingerprint in HELLO, and the H to
+        follow from now on (a syncer restarted with another H paces rounds by that one)."""
+        num_fragments, pattern = schedule.num_fragments, schedule.pattern
         expected = self.settings.fragments
         if expected is not None and expected != num_fragments:
             raise Refused(ErrorCode.LAYOUT, f"the syncer splits the model into {num_fragments} fragments but "
                           f"YETO_DILOCO_FRAGMENTS={expected}")
+        # Set before the layout, whose arrival makes the training thread count boundaries by it.
+        self._sync_interval = self._interval_for(schedule.sync_interval)
         # Only the link asks, one dial at a time, so the layout is built once without a lock.
         layout = self.sync.layout
         if layout is None:
@@ -208,8 +232,9 @@ class LearnerSession:
     def start(self) -> None:
         """Connect, and wait (at most `init_timeout_s`) for the initial cut before training.
 
-        With a minimum link rate set, the link is probed first; a too-slow island exits with
-        code 75 and says what it measured, before it joins (so a supervisor can place it anew).
+        With a minimum link rate set, the link is probed first; a too-slow island raises
+        `ProbeFailed` (exit code 75, and the line that says what was measured) before it joins, for
+        whoever owns the process to exit with (so a supervisor can place it anew).
         """
         s = self.settings
         if s.wan_probe_min_mbps > 0 or s.wan_probe_min_down_mbps > 0:
@@ -258,8 +283,7 @@ class LearnerSession:
             why = (f"link to {s.syncer} measured {result.up_mbps:.1f} Mbit/s up and {result.down_mbps:.1f} Mbit/s "
                    f"down; YETO_DILOCO_WAN_PROBE_MIN_MBPS={s.wan_probe_min_mbps:g}, "
                    f"YETO_DILOCO_WAN_PROBE_MIN_DOWN_MBPS={s.wan_probe_min_down_mbps:g}")
-        self._say(f"yeto learner {s.learner_id}: too slow to join: {why}")
-        raise SystemExit(PROBE_EXIT_CODE)
+        raise ProbeFailed(s, why)
 
     # -- taking in what the link delivered ---------------------------------------------------
     def pump(self, timeout_s: float) -> None:
@@ -328,7 +352,8 @@ class LearnerSession:
         self.sync.install_bcasts(hold=held)
         self.consensus.after_installs(self.stats.installs, sum(f.version for f in self.fragments if f.version > 0),
                                       self.stats.steps, self.link.send_probe)
-        if self.stats.steps % self.boundary_every == 0:
+        # Boundaries follow the syncer's schedule: none before its first CHALLENGE announced it.
+        if self.layout is not None and self.stats.steps % self.boundary_every == 0:
             if self.settings.lockstep:  # every boundary answers one round
                 self._lockstep_wait(self.sync.pull_answerable, f"a pull to answer at step {self.stats.steps}")
             self._boundary()

@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from yeto_core.buffers import RECEIVE_POOL
 from yeto_core.learner_state import LearnerStats
 from yeto_core.store import FRAGMENT_POOL
 from yeto_core.web_server import Reply, WebServer, web_app
-from yeto_core.wire.buffers import RECEIVE_POOL
 
 PREFIX = "yeto_learner"
 # (name, type, help, read): every figure of `LearnerStats` a dashboard plots, in base units.

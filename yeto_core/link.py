@@ -30,12 +30,13 @@ import torch
 
 from yeto_core.layout import Layout
 from yeto_core.probe import ProbeResult
+from yeto_core.sections import Schedule
 from yeto_core.wire.errors import Refused
 from yeto_core.wire.messages import Message, Pull
 
 Clock = Callable[[], float]  # seconds, monotonic
 MONOTONIC: Clock = time.monotonic
-LayoutFor = Callable[[int, str], Layout]  # (fragments, pattern) named by the syncer → the layout to fingerprint
+LayoutFor = Callable[[Schedule], Layout]  # the schedule the syncer announced → the layout to fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,8 @@ class Link(Protocol):
         """The permanent refusal that ended this link, if any (it redials no more)."""
 
     def start(self, layout_for: LayoutFor, step: Callable[[], int]) -> None:
-        """Begin dialing. `layout_for` is asked on every CHALLENGE, `step` feeds heartbeats."""
+        """Begin dialing. `layout_for` is asked on every CHALLENGE (it may refuse the syncer's
+        schedule with a permanent `Refused`), `step` feeds heartbeats."""
 
     def next_event(self, timeout_s: float) -> Inbound | None:
         """The next event, waiting at most `timeout_s` (0: do not wait); None when there is none."""

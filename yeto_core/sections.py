@@ -13,6 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+DEFAULT_SYNC_INTERVAL = 24  # H in learner steps: the syncer's, and a learner's under a syncer that does not pace
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's schedule, the syncer's alone, which its CHALLENGE announces to every learner: P
+    fragments laid out by `pattern`, and H (`sync_interval`), the learner steps per fragment round
+    trip (0: the syncer does not pace rounds by steps, and each learner keeps its own H)."""
+
+    num_fragments: int
+    pattern: str
+    sync_interval: int
+
 
 @dataclass(frozen=True)
 class LinkSettings:

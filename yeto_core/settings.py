@@ -19,7 +19,14 @@ from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationErro
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yeto_core import faults
-from yeto_core.sections import ConsensusSettings, IslandSettings, LinkSettings, MergeSettings
+from yeto_core.sections import (
+    DEFAULT_SYNC_INTERVAL,
+    ConsensusSettings,
+    IslandSettings,
+    LinkSettings,
+    MergeSettings,
+    Schedule,
+)
 
 log = logging.getLogger("yeto.settings")
 
@@ -157,7 +164,10 @@ class LearnerSettings(BaseSettings):
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key")
     learner_id: int = Field(default=0, ge=0, lt=2**32, description="this island's id; learner 0 sends INIT")
-    sync_interval: int = Field(default=24, ge=1, le=MAX_STEPS, description="H: inner steps per fragment round trip")
+    sync_interval: int | None = Field(default=None, ge=1, le=MAX_STEPS, description="H: inner steps per fragment "
+                                      "round trip. Unset: the syncer's --sync-interval-steps, learned at the "
+                                      f"handshake ({DEFAULT_SYNC_INTERVAL} under a syncer that does not pace by "
+                                      "steps); set: it must equal the syncer's, or the learner is refused")
     merge_alpha: float = Field(default=0.0, ge=0.0, le=1.0, description="without overlap, install "
                                "θ ← α·θ_local + (1−α)·Θ_global (0: overwrite)")
     wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
@@ -384,7 +394,7 @@ class SyncerSettings(BaseSettings):
                                "spent waiting")
     grace_tau: float = Field(default=2.0, ge=0, le=MAX_STEPS,
                              description="τ of the grace window: learner steps a round may take")
-    sync_interval_steps: int = Field(default=24, ge=0, le=MAX_STEPS,
+    sync_interval_steps: int = Field(default=DEFAULT_SYNC_INTERVAL, ge=0, le=MAX_STEPS,
                                      description="pace rounds so each fragment syncs every H "
                                      "learner steps (0: off)")
     min_round_interval_s: float = Field(default=0.0, ge=0, le=DAY_S,
@@ -474,6 +484,11 @@ class SyncerSettings(BaseSettings):
             self._key = read_key(self.key, self.key_file, prefix="YETO_SYNCER_",
                                  key_file_name="--key-file" if key_file_flag else None)
         return self._key
+
+    @property
+    def schedule(self) -> Schedule:
+        """What this syncer's CHALLENGE announces: P, the pattern and H."""
+        return Schedule(self.fragments, self.pattern, self.sync_interval_steps)
 
     @property
     def merging(self) -> MergeSettings:

@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
+from yeto_core.buffers import BufferPool
 from yeto_core.layout import Fragment, TensorSpec, specs_from_named_tensors
-from yeto_core.wire.buffers import BufferPool
 
 FRAGMENT_POOL = BufferPool()  # fragment-sized f32 work buffers, recycled once nothing holds them
 # Idle buffers of a size worth keeping after a burst: a push's delta and an overlap rebase's base,

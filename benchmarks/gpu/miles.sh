@@ -31,7 +31,7 @@ head -c 32 /dev/urandom | base64 > "$WORK/yeto.key"
 run_mode() {  # $1: stream | sweep
     local mode=$1 dir=$WORK/$1 pacing
     mkdir -p "$dir"
-    if [ "$mode" = stream ]; then pacing=(--sync-interval-steps 2); else pacing=(--sync-interval-steps 0); fi
+    if [ "$mode" = stream ]; then pacing=(--sync-interval-steps 4); else pacing=(--sync-interval-steps 0); fi
     setsid python -m syncer --host 127.0.0.1 --port 0 --learners 2 --quorum 2 --fragments "$FRAGMENTS" \
         --pipeline "$FRAGMENTS" "${pacing[@]}" --total-rounds $((ROLLOUTS * FRAGMENTS)) --key-file "$WORK/yeto.key" \
         --checkpoint "$dir/syncer.safetensors" --tape "$dir/tape.jsonl" > "$dir/syncer.log" 2>&1 &
@@ -49,7 +49,7 @@ run_mode() {  # $1: stream | sweep
             --num-gpus "$GPUS" --disable-usage-stats --temp-dir "$dir/ray$i" > "$dir/ray$i.log" 2>&1
         (cd "$MILES" && CUDA_VISIBLE_DEVICES=$devices RAY_ADDRESS=127.0.0.1:$((6390 + i)) SYNCER=$address \
             KEY_FILE=$WORK/yeto.key LEARNER_ID=$i RL_MODE=$mode HF=$HF REF=$REF DATA=$DATA ROLLOUTS=$ROLLOUTS GPUS=$GPUS \
-            YETO_DILOCO_SYNC_INTERVAL=4 setsid bash "$ROOT/examples/miles/island.sh" --check-weight-update-equal \
+            setsid bash "$ROOT/examples/miles/island.sh" --check-weight-update-equal \
             --save "$dir/ckpt$i" --save-interval 1 --save-hf "$dir/hf$i/{}" --rollout-batch-size 8 \
             --global-batch-size 64) > "$dir/island$i.log" 2>&1 &
         PIDS+=($!)

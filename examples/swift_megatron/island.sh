@@ -15,7 +15,8 @@ DATASET=${DATASET:-"your/dataset-shard-$LEARNER_ID"}            # placeholder: t
 export YETO_DILOCO_SYNCER=$SYNCER
 export YETO_DILOCO_KEY_FILE=${KEY_FILE:-yeto.key}
 export YETO_DILOCO_LEARNER_ID=$LEARNER_ID
-export YETO_DILOCO_SYNC_INTERVAL=${SYNC_INTERVAL:-24}
+# H comes from the syncer (its --sync-interval-steps) at the handshake; SYNC_INTERVAL, when set, is checked against it.
+if [ -n "${SYNC_INTERVAL:-}" ]; then export YETO_DILOCO_SYNC_INTERVAL=$SYNC_INTERVAL; fi
 
 NPROC_PER_NODE=${NPROC_PER_NODE:-8} \
 megatron sft \

@@ -4,7 +4,9 @@ The shell has merged a closed round into the fragment's params and momentum (`ef
 `round_merge.py`) and hands back the outcome. The commit then bumps the fragment's version, moves
 the round to COMMITTED, credits each merged learner's tokens to the ledger, and emits, in order:
 the `mid-merge` fault point, the checkpoint when one is due, the tape record, the broadcasts and
-the consensus figures — so a checkpoint is durable before any learner hears of what it holds.
+the consensus figures — so a checkpoint is durable before any learner hears of what it holds. A
+delta broadcast is encoded by the shell first (an ask, `outbox.py`); what follows it waits in the
+stream for the answer, so the order stays the same.
 A round whose every delta would overflow the fragment commits nothing and is parked for a retry.
 Its one log line comes last, so it is written once the shell has performed all of it.
 """
@@ -15,6 +17,7 @@ import logging
 
 from syncer.core import records
 from syncer.core.effects import Checkpoint, FaultPoint, Log, Record, Send
+from syncer.core.memory import keep_merged
 from syncer.core.outbox import Outbox
 from syncer.core.rounds import Attempt, smoothed
 from syncer.core.run_state import RunState
@@ -57,9 +60,8 @@ class Commit:
             state.ledger[key] = state.ledger.get(key, 0) + a.tokens
             run.merged_rounds.setdefault(a.origin, set()).add(a.learner_id)
         # A push later than max_base_lag commits of its fragment is refused anyway: older rounds go.
-        horizon = state.next_round - state.num_fragments * (run.settings.max_base_lag + 2)
-        for old in [r for r in run.merged_rounds if r < horizon]:
-            del run.merged_rounds[old]
+        # What is left goes into the checkpoint, so a resumed syncer refuses a push sent twice too.
+        keep_merged(state, run.merged_rounds, run.settings.max_base_lag)
         record = records.Commit(
             round=attempt.round, attempt=attempt.attempt, fragment=f, version=state.versions[f],
             learners=[a.learner_id for a in answers], generations=[a.generation for a in answers],

@@ -5,6 +5,13 @@ reports back what only the world knows (a merge's outcome, as a `Merged` event).
 addressed by `Peer`, their id and connection generation: a send to a connection that has closed
 meanwhile goes nowhere, as a send on a closed socket would.
 
+The protocol does no tensor work itself. What it needs computed from payloads or tensors is an
+**ask** (`is_ask`: `CheckInit`, an inline `Decode`, `Encode`): the shell computes it at once and
+hands the answer back (`events.is_answer`) before any other event. An ask is always the last
+effect of the list `handle` returns; what the protocol decided after it comes with the turn that
+takes the answer in, so the effects still reach the world in the order they were decided
+(`run_state.RunState.emit`).
+
 Order is the contract: a commit's effects come as fault point, checkpoint, tape record, its
 broadcasts, then its log line, so the checkpoint is durable before any learner hears of the
 version it holds, and the user reads of a commit only once it is all done.
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+import torch
 
 from syncer.core.records import TapeRecord
 from syncer.core.rounds import Answer
@@ -33,12 +42,15 @@ class Peer:
 class Send:
     """`msg` to `to`, queued on its connection's sender threads. The payload is `payload`, or with
     `committed`, fragment `committed`'s committed values as they are when the send is performed
-    (read without a copy; the shell leases them until the send is done)."""
+    (read without a copy; the shell leases them until the send is done), or with `anchor`, a copy
+    of fragment `anchor`'s downlink anchor taken when the send is performed (the next delta
+    moves the anchor in place)."""
 
     to: Peer
     msg: Message
     payload: bytes | memoryview | None = None
     committed: int | None = None
+    anchor: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +117,14 @@ class Prepare:
 
 @dataclass(frozen=True, slots=True)
 class Decode:
-    """Decode a quantized push off the coordinator's thread; the result comes back as `Decoded`."""
+    """Decode a push's payload into its f32 delta on the merge device, checked finite; the delta,
+    or why it is unusable, comes back as `events.Decoded` for attempt `attempt`. A fresh
+    quantized push is decoded on the decode pool, off the coordinator's thread, and comes back
+    whenever it is done. `inline` makes it an ask (an f32 push, whose payload the transport
+    screened and a view of which is the delta; a carried push joining the fragment's open
+    attempt): the shell decodes it at once and hands `Decoded` back before any other event.
+    `screened`: the transport's finiteness verdict on an f32 payload (`payload.payload_screen`);
+    `carried`: a late push, still encoded, that joins attempt `attempt` of its fragment."""
 
     learner_id: int
     generation: int
@@ -113,6 +132,37 @@ class Decode:
     msg: Push
     payload: memoryview
     codec: Codec
+    inline: bool = False
+    screened: bool | None = None
+    carried: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CheckInit:
+    """An ask: fragment `fragment` of learner 0's INIT, `payload` (exactly its f32 values), as
+    the fragment's committed values on the merge device, checked finite unless the transport
+    screened it (`screened` True). The answer is `events.InitChecked`."""
+
+    to: Peer
+    fragment: int
+    payload: memoryview
+    screened: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Encode:
+    """An ask: move fragment `fragment`'s downlink anchor (DESIGN §7.4) to its committed values
+    `values` as version `version`, and make the broadcast that says so. `full`: the anchor becomes
+    those values exactly (a FULL, f32); otherwise it moves by bf16(values − anchor) (a DELTA).
+    `lent`: the anchor, lent like a merge's tensors (None when there is none: a FULL); the shell
+    writes it in place or makes a new one, and hands it back with the broadcast in
+    `events.Encoded`."""
+
+    fragment: int
+    version: int
+    full: bool
+    values: torch.Tensor
+    lent: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,4 +183,10 @@ class FaultPoint:
     drain: bool = False
 
 
-Effect = Send | Close | StallTimeout | Record | Checkpoint | Merge | Prepare | Decode | Log | FaultPoint
+Effect = (Send | Close | StallTimeout | Record | Checkpoint | Merge | Prepare | Decode | CheckInit | Encode | Log
+          | FaultPoint)
+
+
+def is_ask(effect: Effect) -> bool:
+    """Whether the shell answers `effect` at once, before any other event (module docstring)."""
+    return isinstance(effect, CheckInit | Encode) or (isinstance(effect, Decode) and effect.inline)

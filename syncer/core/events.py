@@ -4,8 +4,9 @@ The server's threads post `Connected` (a connection group passed its handshake; 
 the group and hands the protocol its `Joined`), `Got` (a message from a learner, with its
 payload) and `Left` (a group closed); the decode pool posts `Decoded`, the prepare threads
 `Prepared`. The shell itself produces `Merged` and `Synced` when it has performed a merge the
-protocol asked for, and `Stop` when the run must end without finalizing (a signal, a lost
-checkpoint disk, a failed iso worker). The protocol handles them one
+protocol asked for, the answers to the protocol's asks (`is_answer`: `InitChecked`, an inline
+`Decoded`, `Encoded`) before any other event, and `Stop` when the run must end without
+finalizing (a signal, a lost checkpoint disk, a failed iso worker). The protocol handles them one
 at a time, in the order they come (`protocol.SyncerProtocol.handle`).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from syncer.merge.round_merge import FragmentTensors, MergeOutcome
+from yeto_core.downlink import Broadcast
 from yeto_core.wire.messages import Manifest, Message, Push
 
 
@@ -63,13 +65,39 @@ class Left:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A push's delta, or the reason it is unusable, back from the decode pool."""
+    """A push's delta (on the merge device), or the reason it is unusable: back from the decode
+    pool, or, `inline`, the answer to an inline `effects.Decode` (`carried`: a late push joining
+    attempt `attempt` of its fragment)."""
 
     learner_id: int
     generation: int
     attempt: int
     msg: Push
     delta: torch.Tensor | str
+    inline: bool = False
+    carried: bool = False
+
+
+@dataclass(frozen=True)
+class InitChecked:
+    """The answer to `effects.CheckInit`: the INIT fragment's values on the merge device (the
+    payload's own buffer on the CPU), or None when they hold NaN or Inf."""
+
+    learner_id: int
+    generation: int
+    fragment: int
+    values: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """The answer to `effects.Encode`: fragment `fragment`'s downlink anchor as version `version`
+    (the lent one, moved in place, or a new one) and the broadcast that leads to it."""
+
+    fragment: int
+    version: int
+    anchor: torch.Tensor
+    broadcast: Broadcast
 
 
 @dataclass(frozen=True)
@@ -108,4 +136,9 @@ class Stop:
     reason: str = "stop requested"
 
 
-Event = Joined | Got | Left | Decoded | Merged | Prepared | Synced | Stop
+Event = Joined | Got | Left | Decoded | InitChecked | Encoded | Merged | Prepared | Synced | Stop
+
+
+def is_answer(event: Event) -> bool:
+    """Whether `event` answers an ask (`effects.is_ask`): the shell hands it back before any other."""
+    return isinstance(event, InitChecked | Encoded) or (isinstance(event, Decoded) and event.inline)

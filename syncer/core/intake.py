@@ -1,23 +1,23 @@
 """Push intake (DESIGN §4.3, §4.6): what the coordinator does with each PUSH it receives.
 
 A push is checked (size, codec, steps), judged by `rounds.judge_push` (answer, carry or refuse,
-with a reason), and then either decoded (an f32 payload here, as a view; a quantized one on the
-shell's decode pool, `effects.Decode`) and stored as an answer of its open attempt, or kept still
-encoded until its fragment's next round. The intake owns the late pushes it holds and each
-learner's step-time estimate; the rounds they join are the run's.
+with a reason), and then either decoded and stored as an answer of its open attempt, or kept
+still encoded until its fragment's next round. The shell decodes (`effects.Decode`): a quantized
+push on its decode pool, whenever that is done; an f32 one (a view of the payload, screened as it
+landed) and a carried one joining its fragment's next round as asks, answered at once. The
+intake owns the late pushes it holds and each learner's step-time estimate; the rounds they join
+are the run's.
 """
 
 from __future__ import annotations
 
 import logging
 
-import torch
-
 from syncer.core import records
 from syncer.core.effects import Decode, FaultPoint, Send
 from syncer.core.events import Decoded
 from syncer.core.links import Carried, Link
-from syncer.core.payload import decode_delta, payload_problem
+from syncer.core.payload import payload_problem
 from syncer.core.rounds import Answer, PushFate, SchedulerConfig, fragment_of_round, judge_push, smoothed
 from syncer.core.run_state import RunState
 from yeto_core.codecs import F32
@@ -28,10 +28,9 @@ log = logging.getLogger("yeto.syncer")
 
 
 class PushIntake:
-    def __init__(self, run: RunState, *, sched: SchedulerConfig, device: torch.device) -> None:
+    def __init__(self, run: RunState, *, sched: SchedulerConfig) -> None:
         self.shared = run
         self.sched = sched
-        self.device = device
         self.carried: dict[int, dict[int, Carried]] = {}  # fragment -> learner -> late push
         self.step_s: dict[int, float] = {}  # ξ_step per learner (EMA of reported step times)
 
@@ -65,31 +64,38 @@ class PushIntake:
             self.shared.record(records.Carry(lid, msg.round, msg.fragment, msg.base_version, problem))
             self.attach_carried(msg.fragment)
             return
-        if link.codec is F32:
-            # Nothing to decode, and the transport screened every chunk for NaN/Inf as it landed
-            # (`payload_screen`): a view of the payload, here, without a hand-off to the pool and back.
-            self.on_decoded(Decoded(lid, link.generation, msg.attempt, msg,
-                                    decode_delta(self.shared.layout, msg, payload, link.codec, screened)))
-            return
-        # Dequantize and check finiteness on the decode pool, beside this thread and off the read
-        # loops; the answer is stored when `Decoded` comes back, if its attempt is still open.
-        self.shared.emit(Decode(lid, link.generation, msg.attempt, msg, payload, link.codec))
+        # A quantized push is dequantized and checked on the decode pool, beside this thread and off
+        # the read loops; the answer is stored when `Decoded` comes back, if its attempt is still
+        # open. An f32 one has nothing to decode, and the transport screened every chunk for NaN/Inf
+        # as it landed (`payload_screen`): the shell views it at once, without the pool.
+        self.shared.emit(Decode(lid, link.generation, msg.attempt, msg, payload, link.codec, inline=link.codec is F32,
+                                screened=screened))
 
     def on_decoded(self, ev: Decoded) -> None:
         link = self.shared.links.get(ev.learner_id)
         delta = ev.delta
         if isinstance(delta, str):
             if link is not None and link.generation == ev.generation:
-                self.refuse_push(link, ev.msg, delta)
+                self.refuse_push(link, ev.msg, f"carried push dropped: {delta}" if ev.carried else delta)
+            elif ev.carried:
+                log.warning("learner %d: carried push for round %d dropped: %s", ev.learner_id, ev.msg.round, delta)
+            return
+        if ev.carried:
+            attempt = self.shared.rounds.collecting_on(ev.msg.fragment)
+            if attempt is not None and attempt.attempt == ev.attempt:  # else it closed meanwhile: dropped
+                held = attempt.answers.get(ev.learner_id)
+                if held is None or held.carried:  # a fresh answer from the same learner wins
+                    attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens,
+                                                            ev.msg.steps, delta, ev.msg.base_version, carried=True,
+                                                            origin=ev.msg.round)
             return
         attempt = self.shared.rounds.attempt_of(ev.msg.round)
         if attempt is None or attempt.attempt != ev.attempt:
             log.info("learner %d: push for round %d decoded after the attempt closed; dropped", ev.learner_id,
                      ev.msg.round)
             return
-        attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps,
-                                                delta.to(self.device), ev.msg.base_version, at=self.shared.now,
-                                                origin=ev.msg.round)
+        attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps, delta,
+                                                ev.msg.base_version, at=self.shared.now, origin=ev.msg.round)
 
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         state, layout, rounds = self.shared.state, self.shared.layout, self.shared.rounds
@@ -108,8 +114,8 @@ class PushIntake:
         self.shared.emit(Send(link.peer, Error(ErrorCode.REFUSED, reason)))
 
     def attach_carried(self, fragment: int) -> None:
-        """Carried pushes join the fragment's open round (a fresh answer from the same learner wins)."""
-        assert self.shared.layout is not None
+        """Carried pushes join the fragment's open round (a fresh answer from the same learner wins),
+        decoded by the shell as they join (asks, answered by `Decoded`)."""
         attempt = self.shared.rounds.collecting_on(fragment)
         held = self.carried.get(fragment)
         if attempt is None or not held:
@@ -117,14 +123,6 @@ class PushIntake:
         for lid, c in sorted(held.items()):
             if lid in attempt.answers and not attempt.answers[lid].carried:
                 continue
-            delta = decode_delta(self.shared.layout, c.msg, c.payload, c.codec, c.screened)
-            if isinstance(delta, str):
-                link = self.shared.links.get(lid)
-                if link is not None and link.generation == c.generation:
-                    self.refuse_push(link, c.msg, f"carried push dropped: {delta}")
-                else:
-                    log.warning("learner %d: carried push for round %d dropped: %s", lid, c.msg.round, delta)
-                continue
-            attempt.answers[lid] = Answer(lid, c.generation, c.msg.tokens, c.msg.steps, delta.to(self.device),
-                                          c.msg.base_version, carried=True, origin=c.msg.round)
+            self.shared.emit(Decode(lid, c.generation, attempt.attempt, c.msg, c.payload, c.codec, inline=True,
+                                    screened=c.screened, carried=True))
         del self.carried[fragment]

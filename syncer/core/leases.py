@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from yeto_core.wire.buffers import BufferPool
+from yeto_core.buffers import BufferPool
 
 KINDS = ("param", "momentum", "accum")
 Reading = Callable[[], bool]  # True while the reader may still read the tensor

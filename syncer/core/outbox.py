@@ -4,24 +4,33 @@ figures, and the final cut. Everything here is a `Send` effect: the shell queues
 learner's connection group, whose own sender thread writes it, so nothing waits on a peer. An
 exact fragment goes out as `Send(committed=f)`: the shell reads the committed values without a
 copy and leases them until the send is done (`leases.py`).
+
+Delta broadcasts follow the downlink anchors (`yeto_core.downlink.DownlinkAnchors`), which the outbox keeps: it decides
+whether a version goes out FULL or as a delta and asks the shell to encode it (`effects.Encode`,
+answered by `events.Encoded`); the sends that carry it wait in the stream for the answer
+(`RunState.later`). A learner that joins gets a copy of each anchor (`Send(anchor=f)`), made
+first where the chain had none.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from syncer.core.effects import FaultPoint, Send
+from syncer.core.effects import Encode, FaultPoint, Send
+from syncer.core.events import Encoded
 from syncer.core.lifecycle import Life
 from syncer.core.links import Link
 from syncer.core.rounds import last_of_fragment
 from syncer.core.run_state import RunState
 from yeto_core.codecs import F32
+from yeto_core.downlink import Broadcast
 from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, BCAST_MERGED, Bcast, Final
 
 
 class Outbox:
     def __init__(self, run: RunState) -> None:
         self.shared = run
+        self._encoding: set[int] = set()  # fragments whose Encode is asked and not answered yet
+        self._for_sends: set[int] = set()  # of those, the ones whose broadcast sends wait for the payload
+        self._encoded: dict[int, Broadcast] = {}  # answered, for the broadcast sends waiting on them
 
     def broadcast(self, round_id: int, f: int, merged: set[int]) -> None:
         """The new version of fragment f to every learner: exact f32, or a bf16 downlink delta,
@@ -32,23 +41,48 @@ class Outbox:
         version = state.versions[f]
         links = list(run.links.values())
         last = last_of_fragment(round_id, run.layout.num_fragments, run.settings.total_rounds)
-        closing = BCAST_LAST if last else 0  # a sweep stops waiting for this fragment's next pull
         if any(link.bcast_delta for link in links):
-            delta = downlink.commit(f, version, state.params[f], last=last)
-            delta_msg = Bcast(f, version, round_id, delta.flags | closing, 0, 0, delta.codec, delta.digest)
+            self._encode(f, version, full=downlink.full_at(f, version, last=last), for_sends=True)
         else:
-            downlink.anchors[f] = None  # nobody follows the chain: restart it with a FULL later
+            downlink.drop(f)
+        run.later(lambda: self._broadcast_sends(round_id, f, version, merged, links, last))
+
+    def _broadcast_sends(self, round_id: int, f: int, version: int, merged: set[int], links: list[Link],
+                         last: bool) -> None:
+        run = self.shared
+        closing = BCAST_LAST if last else 0  # a sweep stops waiting for this fragment's next pull
+        delta = self._encoded.pop(f, None)
         if len(links) < 2:
             run.emit(FaultPoint("mid-bcast"))
         for n, link in enumerate(links):
             mine = BCAST_MERGED if link.learner_id in merged else 0
             if link.bcast_delta:
-                run.emit(Send(link.peer, dataclasses.replace(delta_msg, flags=delta_msg.flags | mine), delta.payload))
+                assert delta is not None
+                msg = Bcast(f, version, round_id, delta.flags | closing | mine, 0, 0, delta.codec, delta.digest)
+                run.emit(Send(link.peer, msg, delta.payload))
             else:
                 run.emit(Send(link.peer, Bcast(f, version, round_id, BCAST_FULL | mine | closing, 0, 0, F32.wire_id),
                               committed=f))
             if n == 0 and len(links) > 1:
                 run.emit(FaultPoint("mid-bcast", drain=True))
+
+    def _encode(self, f: int, version: int, *, full: bool, for_sends: bool = False) -> None:
+        state, downlink = self.shared.state, self.shared.downlink
+        assert state is not None and downlink is not None
+        self._encoding.add(f)
+        if for_sends:
+            self._for_sends.add(f)
+        self.shared.emit(Encode(f, version, full, state.params[f], None if full else downlink.anchors[f]))
+
+    def encoded(self, ev: Encoded) -> None:
+        """The shell answered an `Encode`: the anchor it made is the chain's now."""
+        downlink = self.shared.downlink
+        assert downlink is not None
+        downlink.install(ev.fragment, ev.anchor, ev.broadcast.digest)
+        self._encoding.discard(ev.fragment)
+        if ev.fragment in self._for_sends:  # else the anchor alone was wanted: its payload is not kept
+            self._for_sends.discard(ev.fragment)
+            self._encoded[ev.fragment] = ev.broadcast
 
     def send_consensus(self, round_id: int) -> None:
         """The consensus figures after a commit, to every learner that takes them."""
@@ -60,10 +94,20 @@ class Outbox:
                 self.shared.emit(Send(link.peer, msg))
 
     def send_full_state(self, link: Link) -> None:
-        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor).
-        Each names the round of the fragment's last commit, flagged MERGED when that commit merged
-        this learner's push: a learner that lost the round's own BCAST (a dropped link, a syncer
-        killed mid-broadcast) rebases on it exactly as on that BCAST."""
+        """Every fragment, FULL: on join and reconnect (a delta learner gets the shared anchor,
+        made first for a fragment that has none). Each names the round of the fragment's last
+        commit, flagged MERGED when that commit merged this learner's push: a learner that lost
+        the round's own BCAST (a dropped link, a syncer killed mid-broadcast) rebases on it
+        exactly as on that BCAST."""
+        state, downlink = self.shared.state, self.shared.downlink
+        assert state is not None and downlink is not None
+        if link.bcast_delta:
+            for i in range(state.num_fragments):
+                if not downlink.held(i) and i not in self._encoding:
+                    self._encode(i, state.versions[i], full=True)
+        self.shared.later(lambda: self._full_state_sends(link))
+
+    def _full_state_sends(self, link: Link) -> None:
         state, downlink = self.shared.state, self.shared.downlink
         assert state is not None and downlink is not None
         for i in range(state.num_fragments):
@@ -74,10 +118,8 @@ class Outbox:
             total = self.shared.settings.total_rounds
             mine |= BCAST_LAST if last_round >= 0 and last_of_fragment(last_round, state.num_fragments, total) else 0
             if link.bcast_delta:
-                held = downlink.anchors[i] is not None
-                b = downlink.full(i) if held else downlink.commit(i, version, state.params[i])
-                self.shared.emit(Send(link.peer, Bcast(i, version, round_id, b.flags | mine, 0, 0, b.codec, b.digest),
-                                      b.payload))
+                msg = Bcast(i, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id, downlink.digests[i])
+                self.shared.emit(Send(link.peer, msg, anchor=i))
             else:
                 msg = Bcast(i, version, round_id, BCAST_FULL | mine, 0, 0, F32.wire_id)
                 self.shared.emit(Send(link.peer, msg, committed=i))
@@ -92,3 +134,4 @@ class Outbox:
         lives = self.shared.lives
         if lives.get(link.learner_id) in (Life.TRAINING, Life.FINISHED):  # one that said goodbye stays QUIT
             lives.move(link.learner_id, Life.CUT_SENT, self.shared.now)
+

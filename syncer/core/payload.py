@@ -1,5 +1,6 @@
 """Push and INIT payloads (DESIGN §7.5): whether one can be used under the session's codec, the
-transport's chunk-by-chunk screen for NaN and Inf, and decoding a push into its f32 delta."""
+transport's chunk-by-chunk screen for NaN and Inf, and what the shell computes for the protocol's
+asks (DESIGN §4.1): a push decoded into its f32 delta, an INIT fragment's values checked."""
 
 from __future__ import annotations
 
@@ -74,3 +75,13 @@ def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
     if check_finite(delta.view(1, -1)) is not None:
         return f"delta for fragment {msg.fragment} contains NaN or Inf"
     return delta
+
+
+def init_values(payload: memoryview, screened: bool | None, device: torch.device) -> torch.Tensor | None:
+    """An INIT fragment's f32 values on `device`, or None when they hold NaN or Inf: checked here
+    unless the transport screened every chunk as it landed (`screened`). The reassembled buffer
+    is the message's alone: on the CPU it becomes the fragment, no copy."""
+    values = torch.frombuffer(payload, dtype=torch.float32)
+    if screened is False or (screened is None and check_finite(values.view(1, -1)) is not None):
+        return None
+    return values.to(device)

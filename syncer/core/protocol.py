@@ -1,20 +1,23 @@
 """The syncer as a protocol with no I/O in it (DESIGN §4.1): `handle(now, event) -> effects`.
 
 `SyncerProtocol` alone holds and changes the run's global state: the committed model, each
-learner's link, the rounds in flight (`round_table.py`), the phase of the run. Each call takes
-one event (`events.py`) at the time `now` and returns what the world must do about it
-(`effects.py`), in order: sends, closes, tape records, checkpoints, merges, decodes, fault
-points. It never touches a socket, a clock, a thread or a file; the shell
+learner's link, the rounds in flight (`round_table.py`), the downlink anchors, the phase of the
+run. Each call takes one event (`events.py`) at the time `now` and returns what the world must do
+about it (`effects.py`), in order: sends, closes, tape records, checkpoints, merges, decodes,
+fault points. It never touches a socket, a clock, a thread or a file, and it does no tensor work:
+what it needs computed it asks the shell for (an INIT fragment checked, a push decoded, a
+broadcast encoded), and takes the answer in when the shell hands it back. The shell
 (`coordinator.Coordinator`) pumps events in and performs the effects, so everything the syncer
 decides can be driven, and read, by a test in memory.
 
 A turn takes the event in, then moves every round on as far as `now` allows: decides the
 attempts collecting answers (`rounds.decide_round`), relaunches parked rounds, and, strictly in
-round order, commits closed ones. A commit is two turns: the first asks for the merge
-(`effects.Merge`); the shell performs it before any other event and hands back `Merged`, and
-that turn records it: outer state, version, token ledger, checkpoint, tape record, broadcasts
-(`commit.py`). Until the merge is back nothing else is decided, so commits, checkpoints and
-broadcasts stay in round order.
+round order, commits closed ones. An event whose handling asks the shell for something decides
+nothing more until the answer is in: the turn that takes the last answer in moves the rounds on.
+A commit is two turns: the first asks for the merge (`effects.Merge`); the shell performs it
+before any other event and hands back `Merged`, and that turn records it: outer state, version,
+token ledger, checkpoint, tape record, broadcasts (`commit.py`). Until the merge is back nothing
+else is decided, so commits, checkpoints and broadcasts stay in round order.
 """
 
 from __future__ import annotations
@@ -22,18 +25,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from syncer.core import records
 from syncer.core.commit import Commit
 from syncer.core.consensus import ConsensusBoard
-from syncer.core.effects import Checkpoint, Close, Effect, FaultPoint, Log, Merge, Prepare, Send, StallTimeout
-from syncer.core.events import Decoded, Event, Got, Joined, Left, Merged, Prepared, Stop, Synced
+from syncer.core.effects import Close, Effect, Merge, Prepare, Send, StallTimeout
+from syncer.core.events import (
+    Decoded,
+    Encoded,
+    Event,
+    Got,
+    InitChecked,
+    Joined,
+    Left,
+    Merged,
+    Prepared,
+    Stop,
+    Synced,
+    is_answer,
+)
 from syncer.core.finale import Finale
+from syncer.core.initial_cut import INIT_EXIT_CODE, InitialCut, initial_state
 from syncer.core.intake import PushIntake
 from syncer.core.lifecycle import Life
-from syncer.core.links import Link, Phase, backend_id, layout_mismatch, scheduler_config
+from syncer.core.links import Link, Phase, layout_mismatch, scheduler_config
+from syncer.core.memory import add_members, members, merged_rounds_of
 from syncer.core.outbox import Outbox
 from syncer.core.round_table import RoundTable
 from syncer.core.rounds import (
@@ -55,10 +72,10 @@ from syncer.core.rounds import (
 )
 from syncer.core.run_state import RunState
 from syncer.durability.checkpoint import SyncerState, tokens_by_learner
-from syncer.merge.merge import Segment, check_finite
+from syncer.merge.merge import Segment
 from syncer.merge.round_merge import FragmentTensors, fragment_segments
-from yeto_core.codecs import F32, codec_by_id
-from yeto_core.downlink import DownlinkEncoder
+from yeto_core.codecs import codec_by_id
+from yeto_core.downlink import DownlinkAnchors
 from yeto_core.layout import Layout, build_layout
 from yeto_core.quant import DEFAULT_BLOCK
 from yeto_core.settings import SyncerSettings
@@ -77,26 +94,16 @@ from yeto_core.wire.messages import (
     Push,
 )
 
-MEMBERS = "members"  # state.extra: the learners that trained on the model, for a resumed syncer
+__all__ = ["INIT_EXIT_CODE", "SyncerProtocol"]
 
 log = logging.getLogger("yeto.syncer")
-
-INIT_EXIT_CODE = 3  # no complete INIT from learner 0 in time
-
-
-def lazy_zeros(numel: int, device: torch.device) -> torch.Tensor:
-    """Zeros that cost nothing until written. On the CPU, numpy's calloc maps the kernel's zero
-    pages, where torch.zeros would fault in and clear every page while learner 0's INIT streams
-    in (150 ms for a 256 MiB model here); a fragment's pages are faulted in by its first merge."""
-    if device.type == "cpu":
-        return torch.from_numpy(np.zeros(numel, dtype=np.float32))
-    return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
 class SyncerProtocol:
     """The round lifecycle and everything it decides. Its parts, each a class of its own over the
-    shared `RunState`: `intake` (pushes in), `outbox` (what goes out), `commits` (what a merged
-    round becomes) and `finale` (the end). `device`: where the model state and deltas live."""
+    shared `RunState`: `cut` (the initial cut), `intake` (pushes in), `outbox` (what goes out),
+    `commits` (what a merged round becomes) and `finale` (the end). `device`: where the model
+    state lives (the shell puts what it computes there)."""
 
     def __init__(self, settings: SyncerSettings, *, device: torch.device, state: SyncerState | None = None,
                  now: float = 0.0) -> None:
@@ -106,14 +113,14 @@ class SyncerProtocol:
         self.sched = scheduler_config(settings)
         self.merging = settings.merging  # what every round's merge is made of
         self.outbox = Outbox(self.shared)
-        self.intake = PushIntake(self.shared, sched=self.sched, device=device)
+        self.cut = InitialCut(self.shared, self.outbox, now=now)
+        self.intake = PushIntake(self.shared, sched=self.sched)
         self.commits = Commit(self.shared, self.outbox)
         self.finale = Finale(self.shared, self.outbox)
         self.segments: list[list[Segment]] = []  # per fragment: which spans RDA merges
         self.exit_code = 0
         self._holders: dict[int, tuple[bytes, int, str]] = {}  # id -> (instance, generation, address) last joined
-        self._init_received: set[int] = set()  # fragments of learner 0's INIT taken so far
-        self._started = now
+        self._advance_owed = False  # an event was taken in whose turn waits for answers to move the rounds on
         self._attempts = 0
         self._last_launch: float | None = None
         self._held: Launch | None = None  # why the last launch check launched nothing
@@ -131,7 +138,8 @@ class SyncerProtocol:
             self.shared.state = state
             self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
             self.shared.phase = Phase.RUNNING
-            trained = set(tokens_by_learner(state.ledger)) | set(state.extra.get(MEMBERS, []))
+            self.shared.merged_rounds = merged_rounds_of(state)  # a push sent twice is still refused
+            trained = set(tokens_by_learner(state.ledger)) | set(members(state))
             # Every learner in the ledger trained for this run and lost its link with the syncer that
             # stopped: like one that left while training, it is waited for (`--rejoin-wait-s`), and a
             # finalizing syncer expects it until its final timeout, so it still gets the final cut.
@@ -162,6 +170,13 @@ class SyncerProtocol:
     def phase(self) -> Phase:
         return self.shared.phase
 
+    def anchor(self, fragment: int) -> torch.Tensor:
+        """Fragment `fragment`'s downlink anchor, for a `Send(anchor=...)` (the shell copies it)."""
+        downlink = self.shared.downlink
+        anchor = downlink.anchors[fragment] if downlink is not None else None
+        assert anchor is not None, f"fragment {fragment} has no downlink anchor"
+        return anchor
+
     def wakeup(self, now: float) -> float:
         """Seconds until the protocol wants a turn with no event (a deadline, a grace window's end,
         a throttled launch), at most 0.25 s."""
@@ -175,12 +190,21 @@ class SyncerProtocol:
     # -- the one entry point ---------------------------------------------------------------------
     def handle(self, now: float, event: Event | None) -> list[Effect]:
         """One turn: take in `event` (None: only time passed), then move every round on as far as
-        `now` allows. Returns the effects decided, in the order they must be performed."""
-        self.shared.now = now
-        if event is not None:
-            self._dispatch(event)
-        self._advance()
-        effects, self.shared.effects = self.shared.effects, []
+        `now` allows. Returns the effects decided, in the order they must be performed; the last
+        may be an ask (`effects.is_ask`), whose answer the shell hands back before any other event.
+        A turn whose event asked for something moves the rounds on once the last answer is in."""
+        run = self.shared
+        run.now = now
+        if event is not None and is_answer(event):
+            run.answered(lambda: self._dispatch(event))
+        else:
+            if event is not None:
+                self._dispatch(event)
+            self._advance_owed = True
+        if self._advance_owed and not run.asked:
+            self._advance_owed = False
+            self._advance()
+        effects, run.effects = run.effects, []
         return effects
 
     def _dispatch(self, event: Event) -> None:
@@ -190,6 +214,10 @@ class SyncerProtocol:
                 self._on_message(link, event.msg, event.payload, event.screened)
         elif isinstance(event, Decoded):
             self.intake.on_decoded(event)
+        elif isinstance(event, InitChecked):
+            self.cut.checked(event)
+        elif isinstance(event, Encoded):
+            self.outbox.encoded(event)
         elif isinstance(event, Merged):
             assert event.round == self._merging, (event.round, self._merging)
             self._merging = None
@@ -222,7 +250,7 @@ class SyncerProtocol:
                     bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS),
                     overlap=bool(ev.flags & HELLO_OVERLAP), instance=ev.instance, address=ev.peer)
         if ev.conflict is not None:  # two processes passed the handshake's check at once: the holder stays
-            self._refuse(link, ErrorCode.DUPLICATE, ev.conflict)
+            run.refuse(link, ErrorCode.DUPLICATE, ev.conflict)
             return
         old = run.links.get(ev.learner_id)
         if old is not None:
@@ -236,7 +264,7 @@ class SyncerProtocol:
         if ev.manifest is not None and run.layout is None:
             self._pin(build_layout(ev.manifest.specs, ev.manifest.num_fragments, ev.manifest.pattern))
         if run.layout is not None and ev.fingerprint != run.layout.fingerprint:
-            self._refuse(link, ErrorCode.LAYOUT, layout_mismatch(ev.learner_id, ev.fingerprint, run.layout.fingerprint))
+            run.refuse(link, ErrorCode.LAYOUT, layout_mismatch(ev.learner_id, ev.fingerprint, run.layout.fingerprint))
             return
         run.links[ev.learner_id] = link
         if run.state is not None and (before is None or before[0] != ev.instance):
@@ -247,10 +275,11 @@ class SyncerProtocol:
         log.info("learner %d joined (generation %d, %d connected)", ev.learner_id, ev.generation, len(run.links))
         run.record(records.Join(ev.learner_id, ev.generation))
         if run.phase is Phase.RUNNING:
-            self._member(ev.learner_id)
+            assert run.state is not None
+            add_members(run.state, [ev.learner_id])  # a resumed syncer waits for it too
             run.emit(StallTimeout(link.peer, self.settings.wan_stall_timeout_s))
             self.outbox.send_full_state(link)
-            if link.consensus and run.consensus is not None and run.state is not None:
+            if link.consensus and run.consensus is not None:
                 run.emit(Send(link.peer, run.consensus.message(run.state.next_round)))  # it may report probes now
         elif run.phase is Phase.FINALIZING:
             self.outbox.send_final(link)
@@ -270,44 +299,28 @@ class SyncerProtocol:
 
     def _pin(self, layout: Layout) -> None:
         """Learner 0's manifest defines the model: allocate global state, refuse mismatches."""
-        p = layout.num_fragments
         # INIT supplies every fragment's params (adopting its buffer); only the momentum starts at zero
-        params = [torch.empty(0, dtype=torch.float32, device=self.device) for _ in layout.fragments]
-        momentum = [lazy_zeros(f.numel, self.device) for f in layout.fragments]
-        delayed = self.merging.outer_optimizer == "delayed-nesterov"
-        self.shared.state = SyncerState(
-            specs=list(layout.specs), num_fragments=p, pattern=layout.pattern, fingerprint=layout.fingerprint,
-            backend=backend_id(self.merging), params=params, momentum=momentum, versions=[0] * p,
-            next_round=0, ledger={}, finalized=False,
-            outer_accum=[lazy_zeros(m.numel(), self.device) for m in momentum] if delayed else None,
-            outer_count=[0] * p if delayed else [], merged_by=[(-1, []) for _ in range(p)],
-            extra={"outer_lr": self.merging.outer_lr, "outer_momentum": self.merging.outer_momentum,
-                   "outer_momentum_warmup": self.merging.outer_momentum_warmup},
-        )
+        self.shared.state = initial_state(layout, self.merging, self.device)
         self._adopt_layout(layout)
         log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",
-                 len(layout.specs), layout.total_numel, p, layout.pattern, layout.fingerprint.hex()[:16])
+                 len(layout.specs), layout.total_numel, layout.num_fragments, layout.pattern,
+                 layout.fingerprint.hex()[:16])
         for other in list(self.shared.links.values()):
             if other.fingerprint != layout.fingerprint:
                 del self.shared.links[other.learner_id]
-                self._refuse(other, ErrorCode.LAYOUT,
-                             layout_mismatch(other.learner_id, other.fingerprint, layout.fingerprint))
+                self.shared.refuse(other, ErrorCode.LAYOUT,
+                                   layout_mismatch(other.learner_id, other.fingerprint, layout.fingerprint))
 
     def _adopt_layout(self, layout: Layout) -> None:
         self.shared.layout = layout
         self.shared.consensus = ConsensusBoard(layout.num_fragments)
-        self.shared.downlink = DownlinkEncoder(layout.num_fragments, self.settings.bcast_delta_full_every)
+        self.shared.downlink = DownlinkAnchors(layout.num_fragments, self.settings.bcast_delta_full_every)
         self.segments = fragment_segments(layout, self.merging.merge)
-
-    def _refuse(self, link: Link, code: ErrorCode, reason: str) -> None:
-        log.warning("refusing learner %d: %s", link.learner_id, reason)
-        self.shared.record(records.Refused(link.learner_id, code=code.name, reason=reason))
-        self.shared.emit(Close(link.peer, reason, last=Error(code, reason)))  # the ERROR first, then the close
 
     # -- messages ------------------------------------------------------------------------------
     def _on_message(self, link: Link, msg: Message, payload: memoryview | None, screened: bool | None) -> None:
         if isinstance(msg, Init):
-            self._on_init(link, msg, payload, screened)
+            self.cut.on_init(link, msg, payload, screened)
         elif isinstance(msg, Push):
             self.intake.on_push(link, msg, payload, screened)
         elif isinstance(msg, Done):
@@ -321,7 +334,7 @@ class SyncerProtocol:
         elif isinstance(msg, Error):
             log.warning("learner %d reports %s: %s", link.learner_id, msg.code.name, msg.reason)
         else:
-            self._refuse(link, ErrorCode.PROTOCOL, f"unexpected {msg.TYPE.name} from a learner")
+            self.shared.refuse(link, ErrorCode.PROTOCOL, f"unexpected {msg.TYPE.name} from a learner")
 
     def _on_done(self, link: Link, msg: Done) -> None:
         life = self.shared.lives[link.learner_id]
@@ -342,58 +355,6 @@ class SyncerProtocol:
             log.warning("learner %d: %s", link.learner_id, problem)
             self.shared.emit(Send(link.peer, Error(ErrorCode.REFUSED, problem)))
 
-    def _on_init(self, link: Link, msg: Init, payload: memoryview | None, screened: bool | None) -> None:
-        run = self.shared
-        if run.phase is not Phase.WAIT_INIT or run.layout is None or run.state is None:
-            return  # a replayed INIT after the initial cut: ignored by design
-        if link.learner_id != 0:
-            self._refuse(link, ErrorCode.PROTOCOL, "only learner 0 sends INIT")
-            return
-        if msg.fragment >= run.layout.num_fragments or msg.codec != F32.wire_id:
-            self._refuse(link, ErrorCode.PROTOCOL, f"INIT names fragment {msg.fragment} with codec {msg.codec}")
-            return
-        numel = run.layout.fragments[msg.fragment].numel
-        if payload is None or len(payload) != numel * 4:
-            self._refuse(link, ErrorCode.PROTOCOL, f"INIT of fragment {msg.fragment} has "
-                         f"{0 if payload is None else len(payload)} bytes, expected {numel * 4}")
-            return
-        values = torch.frombuffer(payload, dtype=torch.float32)
-        # Screened chunk by chunk as it landed (`payload.payload_screen`); checked here otherwise.
-        if screened is False or (screened is None and check_finite(values.view(1, -1)) is not None):
-            self._refuse(link, ErrorCode.REFUSED, f"INIT of fragment {msg.fragment} contains NaN or Inf")
-            return
-        # The reassembled buffer is this message's alone: on CPU it becomes the fragment, no copy.
-        run.state.params[msg.fragment] = values.to(self.device)
-        self._init_received.add(msg.fragment)
-        if len(self._init_received) == run.layout.num_fragments:
-            self._initial_cut()
-        else:
-            run.emit(FaultPoint("mid-init"))
-
-    def _member(self, learner_id: int) -> None:
-        """`learner_id` trains on this run's model: a resumed syncer waits for it too (the next
-        checkpoint keeps the list)."""
-        state = self.shared.state
-        assert state is not None
-        members: list[int] = state.extra.setdefault(MEMBERS, [])
-        if learner_id not in members:
-            members.append(learner_id)
-            members.sort()
-
-    def _initial_cut(self) -> None:
-        run = self.shared
-        assert run.state is not None
-        run.phase = Phase.RUNNING
-        for lid in run.links:
-            self._member(lid)
-        run.emit(Checkpoint())
-        run.record(records.Init(run.state.num_fragments, run.state.fingerprint.hex()))
-        run.emit(Log(f"initial cut ready: broadcasting {run.state.num_fragments} fragments to {len(run.links)} "
-                     "learners"))
-        for link in list(run.links.values()):
-            run.emit(StallTimeout(link.peer, self.settings.wan_stall_timeout_s))
-            self.outbox.send_full_state(link)
-
     # -- advancing -----------------------------------------------------------------------------
     def _live(self) -> dict[int, int]:
         """Connected learners still training: learner id -> its connection's generation."""
@@ -413,8 +374,7 @@ class SyncerProtocol:
     def _advance(self) -> None:
         run, now = self.shared, self.shared.now
         if run.phase is Phase.WAIT_INIT:
-            if now - self._started > self.settings.init_timeout_s:
-                log.error("no complete INIT from learner 0 within %.0f s; giving up", self.settings.init_timeout_s)
+            if self.cut.timed_out(now):
                 self.exit_code = INIT_EXIT_CODE
                 run.phase = Phase.DONE
             return

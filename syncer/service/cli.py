@@ -241,8 +241,8 @@ def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state:
                               observer=FanOut([metrics, board]), iso=pool)
     try:
         server = SyncerServer(
-            host=settings.host, port=settings.port, key=key, num_fragments=settings.fragments,
-            pattern=settings.pattern, post=coordinator.post, pinned_fingerprint=coordinator.pinned_fingerprint,
+            host=settings.host, port=settings.port, key=key, announced=settings.schedule, post=coordinator.post,
+            pinned_fingerprint=coordinator.pinned_fingerprint,
             max_payload=coordinator.max_payload, initial_cut_ready=coordinator.initial_cut_ready,
             id_conflict=coordinator.id_conflict,
             schedule_problem=functools.partial(sweep_problem, fragments=settings.fragments, pipeline=settings.pipeline,

@@ -9,10 +9,13 @@ effects it returns, in order (`effects.py`):
   a lease on them until it is done (`leases.py`);
 * closes, stall timeouts, tape records, log lines and fault points act at once;
 * checkpoints are written durably or the syncer stops (`checkpointing.py`);
-* quantized pushes are decoded on the decode pool, and come back as `Decoded` events;
+* fresh quantized pushes are decoded on the decode pool, and come back as `Decoded` events;
+* the protocol's asks (`effects.is_ask`: an INIT fragment to check, an f32 or carried push to
+  decode, a downlink broadcast to encode) are computed here, at once, and the answer goes back
+  to the protocol before any other event (`answer`); a send of a downlink anchor copies it;
 * merges run here, on the merge device (`round_merge.RoundMerger`), and their outcome goes back
   to the protocol as `Merged` before any other event, followed by `Synced` with the time the
-  commit held this thread.
+  commit held this thread (up to its last send, which may come after an ask's answer).
 
 It also answers the server's questions about the run (from the server's threads), and at the
 end closes every connection and joins its threads.
@@ -37,10 +40,12 @@ from typing import Any
 import torch
 
 from syncer.core.effects import (
+    CheckInit,
     Checkpoint,
     Close,
     Decode,
     Effect,
+    Encode,
     FaultPoint,
     Log,
     Merge,
@@ -49,11 +54,25 @@ from syncer.core.effects import (
     Record,
     Send,
     StallTimeout,
+    is_ask,
 )
-from syncer.core.events import Connected, Decoded, Event, Got, Joined, Left, Merged, Prepared, Stop, Synced
+from syncer.core.events import (
+    Connected,
+    Decoded,
+    Encoded,
+    Event,
+    Got,
+    InitChecked,
+    Joined,
+    Left,
+    Merged,
+    Prepared,
+    Stop,
+    Synced,
+)
 from syncer.core.leases import Leases
 from syncer.core.links import Phase, id_conflict
-from syncer.core.payload import decode_delta
+from syncer.core.payload import decode_delta, init_values
 from syncer.core.protocol import SyncerProtocol
 from syncer.durability.checkpoint import CheckpointError, SyncerState
 from syncer.durability.checkpointing import DURABILITY_EXIT_CODE, Checkpointing, DurabilityLost
@@ -62,12 +81,15 @@ from syncer.durability.tape import EventTape
 from syncer.merge.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.merge.round_merge import PreparedMerge, RoundMerger
 from syncer.service.traffic import BroadcastTimer, ShellObserver, wire_size
+from yeto_core.buffers import BufferPool
 from yeto_core.codecs import tensor_bytes
+from yeto_core.downlink import encode_broadcast
 from yeto_core.faults import FAULT_SEND_WAIT_S, NO_FAULTS, FaultInjector
+from yeto_core.layout import Layout
+from yeto_core.net.group import ConnectionGroup
+from yeto_core.net.tickets import SendTicket
 from yeto_core.settings import SyncerSettings
-from yeto_core.wire.buffers import BufferPool
 from yeto_core.wire.messages import Bcast, Bye
-from yeto_core.wire.transport import ConnectionGroup, SendTicket
 
 log = logging.getLogger("yeto.syncer")
 
@@ -75,6 +97,30 @@ SNAPSHOT_POOL = BufferPool()  # host copies of fragments for cuda sends, recycle
 JOIN_TIMEOUT_S = 5.0  # for every connection group's last messages and threads together, at exit
 STOP_GRACE_S = 0.5  # the same after a signal; then the sockets of groups still sending are cut
 CUT_JOIN_S = 1.0  # for the threads of groups whose sockets were cut
+
+
+def decoded(effect: Decode, layout: Layout, device: torch.device) -> Decoded:
+    """A push decoded (`effects.Decode`): its f32 delta on `device` (an f32 one a view of its payload
+    on the CPU), or why it is unusable; a decoder that raises is a refusal, not a dead coordinator."""
+    try:
+        delta = decode_delta(layout, effect.msg, effect.payload, effect.codec, effect.screened)
+        if not isinstance(delta, str):
+            delta = delta.to(device)
+    except Exception as exc:
+        delta = f"decode failed: {exc}"
+    return Decoded(effect.learner_id, effect.generation, effect.attempt, effect.msg, delta, inline=effect.inline,
+                   carried=effect.carried)
+
+
+def answer(ask: CheckInit | Decode | Encode, layout: Layout, device: torch.device) -> Event:
+    """The answer to one of the protocol's asks (`effects.is_ask`), computed here and now."""
+    if isinstance(ask, CheckInit):
+        values = init_values(ask.payload, ask.screened, device)
+        return InitChecked(ask.to.learner_id, ask.to.generation, ask.fragment, values)
+    if isinstance(ask, Encode):
+        anchor, broadcast = encode_broadcast(None if ask.full else ask.lent, ask.values)
+        return Encoded(ask.fragment, ask.version, anchor, broadcast)
+    return decoded(ask, layout, device)
 
 
 class Coordinator:
@@ -100,6 +146,7 @@ class Coordinator:
         self.clock = clock
         self.tape = tape
         self.faults = faults
+        self.device = device
         self.protocol = SyncerProtocol(settings, device=device, state=state, now=clock())
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.groups: dict[Peer, ConnectionGroup] = {}  # every connection the protocol may address
@@ -118,6 +165,7 @@ class Coordinator:
         self._preparers = executor(settings.pipeline, "syncer-prepare")
         self._prepared: dict[int, tuple[int, Future[PreparedMerge]]] = {}  # attempt -> (round, its heavy half)
         self._merge_started = 0.0
+        self._committing: int | None = None  # the round whose commit's effects are being performed
 
     # -- read by server threads (immutable references, safe to read without a lock) -----------
     def pinned_fingerprint(self) -> bytes | None:
@@ -223,18 +271,23 @@ class Coordinator:
                 codec, nbytes = wire_size(ev.msg, len(ev.payload) if ev.payload is not None else None)
                 self.observer.traffic("in", ev.learner_id, codec, nbytes)
             effects = self.protocol.handle(self.clock(), ev)
+            if isinstance(ev, Merged):
+                self._committing = ev.round
             try:
-                pending.extend(self._perform(effects, committing=ev.round if isinstance(ev, Merged) else None))
+                pending.extend(self._perform(effects))
             except DurabilityLost as exc:
                 log.critical("%s", exc)
                 print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
+                self._committing = None  # nothing of the commit after this is performed
                 pending = collections.deque([Stop(DURABILITY_EXIT_CODE, "no durable checkpoint")])
             except IsoPoolError as exc:  # the merge wrote nothing of the fragment: the last checkpoint stands
                 log.critical("%s", exc)
                 print(f"yeto syncer: {exc}", file=sys.stderr, flush=True)
+                self._committing = None  # nothing of the commit after this is performed
                 pending = collections.deque([Stop(ISO_EXIT_CODE, "the iso worker pool failed")])
             except Stopped as exc:  # a signal ended a wait: nothing of this turn after it is performed
                 log.warning("%s", exc)
+                self._committing = None  # nothing of the commit after this is performed
                 pending = collections.deque([Stop(reason="signal")])
 
     def _connected(self, ev: Connected) -> Joined:
@@ -251,13 +304,14 @@ class Coordinator:
             self._closed_groups.append(group)
 
     # -- performing effects --------------------------------------------------------------------
-    def _perform(self, effects: list[Effect], *, committing: int | None) -> list[Event]:
-        """Perform `effects` in order; returns the events they bring back. `committing`: the round
-        whose commit these effects are (a `Synced` follows them)."""
+    def _perform(self, effects: list[Effect]) -> list[Event]:
+        """Perform `effects` in order; returns the events they bring back. While a commit's effects
+        are performed (`_committing`), a `Synced` follows them: after the last, unless that is an
+        ask, whose answer's turn goes on with the commit."""
         back: list[Event] = []
         tickets: list[SendTicket] = []  # the sends handed over so far
         broadcasts: list[SendTicket] = []  # those of the commit's new version (not a join's full state)
-        commit = committing is not None
+        commit = self._committing is not None
         committed: dict[int, memoryview] = {}  # fragments' committed bytes, read once per turn
         held_ms: float | None = None  # how long the last checkpoint held this thread
         for effect in effects:
@@ -291,17 +345,22 @@ class Coordinator:
                     group.set_user_timeout(effect.seconds)
             elif isinstance(effect, Log):
                 log.log(effect.level, "%s", effect.message)
+            elif isinstance(effect, CheckInit | Encode) or (isinstance(effect, Decode) and effect.inline):
+                layout = self.protocol.layout
+                assert layout is not None
+                back.append(answer(effect, layout, self.device))
             elif isinstance(effect, Decode):
                 self._decode(effect)
             elif isinstance(effect, Prepare):
                 self._prepare(effect)
             elif isinstance(effect, Merge):
-                if committing is not None:
-                    back.append(Synced(committing, self.clock() - self._merge_started))
-                    committing = None
+                if self._committing is not None:
+                    back.append(Synced(self._committing, self.clock() - self._merge_started))
+                    self._committing = None
                 back.append(self._merge(effect))
-        if committing is not None:
-            back.append(Synced(committing, self.clock() - self._merge_started))
+        if self._committing is not None and not (effects and is_ask(effects[-1])):
+            back.append(Synced(self._committing, self.clock() - self._merge_started))
+            self._committing = None
         if broadcasts and self.observer is not None:
             BroadcastTimer(broadcasts, self.observer.broadcast_done)
         return back
@@ -314,6 +373,9 @@ class Coordinator:
         if f is not None and f not in committed:
             committed[f] = self.committed_bytes(f)
         payload = effect.payload if f is None else committed[f]
+        if effect.anchor is not None:  # a copy: the anchor moves in place with the next delta
+            anchor = self.protocol.anchor(effect.anchor)
+            payload = tensor_bytes(anchor.clone())
         ticket = group.send(effect.msg, payload)
         if self.observer is not None:
             codec, nbytes = wire_size(effect.msg, None if payload is None else memoryview(payload).nbytes)
@@ -349,14 +411,15 @@ class Coordinator:
     def _decode(self, effect: Decode) -> None:
         layout = self.protocol.layout
         assert layout is not None
-        future = self._decoders.submit(decode_delta, layout, effect.msg, effect.payload, effect.codec)
+        future = self._decoders.submit(decoded, effect, layout, self.device)
 
-        def done(fut: Future[torch.Tensor | str]) -> None:
+        def done(fut: Future[Decoded]) -> None:
             try:
-                delta = fut.result()
-            except Exception as exc:  # a decoder bug must not take the coordinator down: a refusal
-                delta = f"decode failed: {exc}"
-            self.post(Decoded(effect.learner_id, effect.generation, effect.attempt, effect.msg, delta))
+                back = fut.result()
+            except Exception as exc:  # cancelled at exit: nobody reads it, but the event says so
+                back = Decoded(effect.learner_id, effect.generation, effect.attempt, effect.msg,
+                               f"decode failed: {exc}")
+            self.post(back)
 
         future.add_done_callback(done)
 

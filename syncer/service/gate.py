@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from yeto_core.wire.errors import WireError
+
 # A real learner finishes its handshake in a few round trips; one older than this at the cap is
 # taken for a slow or silent crowd member and makes room for the newcomer.
 MIN_AGE_TO_EVICT_S = 2.0
@@ -140,6 +142,16 @@ class HandshakeGate:
             _wake(evicted.sock)
         return entry, evicted
 
+    def age(self, entry: Unauthenticated) -> float:
+        """Seconds since `entry` was accepted."""
+        return self._clock() - entry.started
+
+    def hand_over(self, entry: Unauthenticated) -> None:
+        """The connection proved the key: stop timing it. Raises `WireError` when the gate had
+        already cut it (past its deadline, or to make room), so that it is not handed on."""
+        if not self.release(entry):
+            raise WireError(f"handshake did not finish within {self.deadline_s:g} s")
+
     def release(self, entry: Unauthenticated) -> bool:
         """The handshake hands its socket on, or ended: stop counting it. False when the gate had
         already cut it (the caller must not hand it on)."""
@@ -159,6 +171,52 @@ class HandshakeGate:
         for e in late:
             _wake(e.sock)
         return late
+
+
+class AcceptPace:
+    """The accept loop's timing: housekeeping every `housekeeping_s` (the first at once), and after
+    accept() fails a pause that doubles from `ACCEPT_BACKOFF_MIN_S` to `ACCEPT_BACKOFF_MAX_S`,
+    forgotten at the next accepted connection. Time is an argument."""
+
+    def __init__(self, housekeeping_s: float) -> None:
+        self.housekeeping_s = housekeeping_s
+        self._next = 0.0
+        self._backoff = 0.0
+
+    def housekeeping_due(self, now: float) -> bool:
+        """Whether to do the housekeeping now; when it is, the next is `housekeeping_s` away."""
+        if now < self._next:
+            return False
+        self._next = now + self.housekeeping_s
+        return True
+
+    def failed(self) -> float:
+        """accept() failed: how long to wait before the next try."""
+        self._backoff = min(ACCEPT_BACKOFF_MAX_S, max(ACCEPT_BACKOFF_MIN_S, 2 * self._backoff))
+        return self._backoff
+
+    def accepted(self) -> None:
+        self._backoff = 0.0
+
+
+class GateLogs:
+    """The listener's kinds of trouble, each logged once per burst: the gate's crowd and deadline,
+    accept() failing, no thread for a handshake, and handshakes failing before authentication
+    (unauthenticated peers may be anyone: a crowd that hangs up at once must cost a line, not one each)."""
+
+    def __init__(self, log: logging.Logger, gate: HandshakeGate, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.crowd = BurstLog(log, f"too many unauthenticated connections ({gate.cap} at once, {gate.per_host} "
+                              "per address; --max-handshakes); closing the excess", clock=clock)
+        self.late = BurstLog(log, f"handshakes cut at their {gate.deadline_s:g} s deadline", clock=clock)
+        self.accept = BurstLog(log, "accept() failing; retrying with backoff", clock=clock)
+        self.thread = BurstLog(log, "cannot start a handshake thread; closing the connection", clock=clock)
+        self.failed = BurstLog(log, "handshakes failed before authentication", clock=clock)
+
+    def tick(self) -> None:
+        """Close every burst that has been quiet long enough."""
+        for trouble in (self.crowd, self.late, self.accept, self.thread, self.failed):
+            trouble.tick()
 
 
 def _wake(sock: socket.socket) -> None:

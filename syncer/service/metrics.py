@@ -80,7 +80,7 @@ class SyncerMetrics:
         self.handshakes_refused = counter("handshakes_refused", "connections turned away before they joined, by "
                                           "reason (auth, layout, contract, duplicate, protocol, deadline, crowd, "
                                           "broken ...)", ("reason",))
-        from yeto_core.wire.buffers import RECEIVE_POOL
+        from yeto_core.buffers import RECEIVE_POOL
 
         self.receive_buffers = gauge("receive_buffers_allocated", "pooled receive buffers allocated since start: a "
                                      "run past its first rounds reuses them and stops adding to it")

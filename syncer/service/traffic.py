@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from yeto_core.codecs import WIRE_CODEC_NAMES
+from yeto_core.net.tickets import SendTicket
 from yeto_core.wire.messages import HEADER, Message
-from yeto_core.wire.transport import SendTicket
 
 CONTROL = "control"  # the codec label of control frames (no bulk payload)
 

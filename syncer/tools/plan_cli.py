@@ -213,7 +213,7 @@ def describe(setup: Setup, rec: Recommendation, args: argparse.Namespace) -> lis
               f"{c.fragments} fragment{'s' if c.fragments > 1 else ''}, pipeline {c.pipeline}"]
     lines += [f"  syncer:   python -m syncer --learners {m} --quorum {setup.quorum} --fragments {c.fragments} "
               f"--pipeline {c.pipeline} --sync-interval-steps {c.sync_interval}"]
-    env = f"YETO_DILOCO_SYNC_INTERVAL={c.sync_interval} YETO_DILOCO_WIRE_DTYPE={c.codec}"
+    env = f"YETO_DILOCO_WIRE_DTYPE={c.codec}"  # H they take from the syncer at the handshake
     lines += [f"  learners: {env}{' YETO_DILOCO_BCAST_DELTA=1' if c.downlink == 'bf16-delta' else ''}"]
     lines += ["", *prediction_lines(setup, best)]
     if rec.alternatives:

@@ -34,10 +34,10 @@ from warm import WarmProcess, WarmStarter
 
 from yeto_core.codecs import F32
 from yeto_core.learner import LearnerSession
+from yeto_core.net.stream import Stream
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_core.wire import auth
 from yeto_core.wire.messages import CHUNK_BYTES, Attach, Challenge, Error, Hello, Welcome
-from yeto_core.wire.transport import Stream
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_tiny_llama.py"

@@ -16,10 +16,10 @@ import torch
 
 from tests.integration.conftest import Procs, commits, read_tape, start_syncer, wait_until
 from tests.integration.test_metrics_endpoint import scrape
+from yeto_core.buffers import RECEIVE_POOL
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_core.store import FRAGMENT_POOL
-from yeto_core.wire.buffers import RECEIVE_POOL
 
 pytestmark = pytest.mark.integration
 METRICS_LINE = re.compile(r"^yeto syncer metrics on (http://\S+/metrics)$", re.MULTILINE)

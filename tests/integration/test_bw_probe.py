@@ -1,5 +1,6 @@
 """The bandwidth probe (DESIGN §7.6) against the real syncer: it measures, it is sealed with the key,
-and a learner whose link is below its minimum exits with code 75 saying what it measured."""
+and a learner whose link is below its minimum exits with code 75 saying what it measured (the session
+raises `ProbeFailed`; the script, which owns its process, prints it and exits with its code)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,18 @@ from yeto_core.wire.errors import ErrorCode, Refused
 pytestmark = pytest.mark.integration
 
 SCRIPT = """
+import sys
 import torch
 from yeto_core.learner import LearnerSession
+from yeto_core.refusal import ProbeFailed
 from yeto_core.settings import LearnerSettings, load_settings
 model = torch.nn.Linear(4, 4)
 session = LearnerSession(load_settings(LearnerSettings), list(model.named_parameters()))
-session.start()
+try:
+    session.start()
+except ProbeFailed as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(exc.exit_code)
 session.close()
 print("joined")
 """

@@ -15,6 +15,7 @@ from conftest import Procs, dial, start_syncer
 
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
+from yeto_core.net.group import ConnectionGroup
 from yeto_core.wire import auth
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
@@ -27,7 +28,6 @@ from yeto_core.wire.messages import (
     Message,
     Welcome,
 )
-from yeto_core.wire.transport import ConnectionGroup
 
 pytestmark = pytest.mark.integration
 

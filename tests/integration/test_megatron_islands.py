@@ -102,7 +102,7 @@ def test_a_refusal_by_the_syncer_is_raised_on_every_rank(procs: Procs, key_file:
 
 
 # -- two islands and the real syncer ---------------------------------------------------------------
-SYNC_ENV = {"YETO_DILOCO_SYNC_INTERVAL": "4", "YETO_DILOCO_RECONNECT_MAX_S": "1", "YETO_DILOCO_INIT_TIMEOUT_S": "90",
+SYNC_ENV = {"YETO_DILOCO_RECONNECT_MAX_S": "1", "YETO_DILOCO_INIT_TIMEOUT_S": "90",
             "YETO_DILOCO_FINAL_TIMEOUT_S": "120", "YETO_DILOCO_MERGE_ALPHA": "0.5",
             "YETO_DILOCO_OVERLAP": "false"}  # installs blend into the fp32 masters and the bf16 params
 

@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from syncer.tools.plot import PLOTS
 from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
+from yeto_core.net.stream import Stream
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_core.wire.messages import Challenge, Error, Heartbeat, encode_frame
-from yeto_core.wire.transport import Stream
 
 pytestmark = pytest.mark.integration
 METRICS_LINE = re.compile(r"^yeto syncer metrics on (http://\S+/metrics)$", re.MULTILINE)

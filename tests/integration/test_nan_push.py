@@ -12,9 +12,9 @@ from conftest import Island, Procs, Syncer, checkpoint_params, join_raw, start_s
 
 from syncer.durability.checkpoint import load_checkpoint
 from yeto_core.codecs import F32, tensor_bytes
+from yeto_core.net.group import ConnectionGroup
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import Bye, Error, Message, Pull, Push
-from yeto_core.wire.transport import ConnectionGroup
 
 pytestmark = pytest.mark.integration
 

@@ -109,7 +109,7 @@ def two_island_run(procs: Procs, key_file: Path, tag: str, *, stall: bool) -> tu
     routes = [syncer, dataclasses.replace(syncer, port=proxy.port)]
     islands = [SeededIsland(routes[lid], key_file, lid, data_streams=1, wan_stall_timeout_s=STALL_S)
                for lid in range(2)]
-    stall_step = (STALLED_ROUND + 1) * islands[1].session.settings.sync_interval // 4
+    stall_step = (STALLED_ROUND + 1) * islands[1].session.sync_interval // 4
 
     def before_step(n: int, step: int) -> None:
         if stall and n == 1 and step == stall_step:

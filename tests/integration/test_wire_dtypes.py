@@ -67,7 +67,7 @@ def test_delta_broadcasts_track_the_syncer_and_the_final_cut_is_exact(procs: Pro
     islands = [Island(syncer, key_file, 0, bcast_delta=True), Island(syncer, key_file, 1, wire_dtype="bf16")]
     try:
         train_to_the_final_cut(islands)
-        reader = islands[0].session.link._reader
+        reader = islands[0].session.link.downlink.reader
         decoder = reader.downlink if reader is not None else None
         assert decoder is not None and all(v >= 1 for v in decoder.versions), "no delta broadcast was applied"
         assert islands[0].session.stats.connected_generations == [1], "an anchor mismatch forced a reconnect"

@@ -1,11 +1,15 @@
 """A simulated learner process: the real `LearnerSession` over a `SimLink`, on an actor's thread.
 
 `SimLink` is the `Link` the session would get from `yeto_core.client.SyncerClient`, with the
-socket work replaced by the simulated network: it dials the live syncer (the real HELLO, checked
-by the syncer's real `check_hello`), redials with jittered backoff after a loss, streams pushes one
-at a time at the link's byte rate, uploads learner 0's INIT when asked, and hands the session
-what arrives, decoded, waking its actor. Everything runs on the scheduler's thread except the
-calls the session makes from its own (`next_event`, `submit`, `send`, `provide_init`, `close`).
+socket work replaced by the simulated network: it dials the live syncer and runs the real
+`LearnerHandshake` against the syncer's real `SyncerHandshake`, the bytes each writes carried on
+the connection's control lane (CHALLENGE, HELLO, WELCOME or ERROR, learner 0's MANIFEST), with
+nonces from the seeded random source so a seed replays exactly; it redials with jittered backoff
+after a loss or a refusal that is not for good, streams pushes one at a time at the link's byte
+rate, uploads learner 0's INIT when asked, and hands the session what arrives, decoded, waking
+its actor. Data streams are implicit (one data lane stands for them all, see `syncer_node`): no
+`LearnerAttach` runs. Everything runs on the scheduler's thread except the calls the session
+makes from its own (`next_event`, `submit`, `send`, `provide_init`, `close`).
 """
 
 from __future__ import annotations
@@ -22,16 +26,15 @@ import torch
 from tests.sim.network import Connection, Latency
 from tests.sim.scheduler import Actor, Scheduler
 from yeto_core.codecs import F32, Codec, tensor_bytes
-from yeto_core.downlink import AnchorMismatch, BroadcastReader
+from yeto_core.downlink import AnchorMismatch, Downlink
 from yeto_core.layout import Layout
 from yeto_core.learner import LearnerSession
 from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushEnded, PushJob, Received
 from yeto_core.probe import ProbeResult
 from yeto_core.settings import LearnerSettings
-from yeto_core.wire import auth
-from yeto_core.wire.connection import hello_for
+from yeto_core.wire.connection import LearnerHandshake, Refusal, Welcomed
 from yeto_core.wire.errors import Refused
-from yeto_core.wire.messages import INSTANCE_BYTES, Bcast, Bye, Consensus, Error, Final, Init, Message, Push
+from yeto_core.wire.messages import INSTANCE_BYTES, NONCE_BYTES, Bye, Init, Message, Push
 
 if TYPE_CHECKING:
     from tests.sim.syncer_node import SyncerNode
@@ -54,15 +57,16 @@ class SimLink:
         self.inbox: deque[Inbound] = deque()
         self.refused: Refused | None = None
         self.layout: Layout | None = None
-        self.conn: Connection | None = None
+        self.conn: Connection | None = None  # the connection group, once WELCOMEd
+        self.dialing: Connection | None = None  # a connection in its handshake
         self.closed = False
-        self.reached = False  # it dialed a syncer that was listening
+        self.reached = False  # a syncer answered its HELLO (WELCOME or ERROR)
         self.duplicate_next_push = False  # a fault: the next push goes out twice
         self.initial_cut_received = False
         self.syncer_consensus = False
         self._layout_for: LayoutFor | None = None
         self._init_asked_on: Connection | None = None
-        self._reader: BroadcastReader | None = None
+        self._downlink = Downlink(bcast_delta=self.link.bcast_delta)
         self._backoff = REDIAL_FIRST_S
         self._sender_free_at = 0.0
         self.generations: list[tuple[int, int]] = []  # (syncer incarnation, generation) of every group
@@ -128,44 +132,91 @@ class SimLink:
 
     def close(self, reason: str) -> None:
         self.closed = True
+        if self.dialing is not None:
+            self.dialing.cut(reason, quick=True)
+            self.dialing = None
         if self.conn is not None:
             self.conn.close_after("up", Bye(reason), reason)
 
+    def cut(self, reason: str, *, quick: bool, detect_s: float = 0.0) -> None:
+        """Cut this process's connection, the live one or one in its handshake (a fault)."""
+        for conn in (self.conn, self.dialing):
+            if conn is not None:
+                conn.cut(reason, quick=quick, detect_s=detect_s)
+
     # -- dialing (the scheduler's thread) ---------------------------------------------------------
     def _dial(self) -> None:
-        if self.closed or self.refused is not None or (self.actor is not None and self.actor.finished):
+        if self._gone():
             return
         node = self._syncer()
         if node is None or not node.listening:
             self._redial_later()
             return
         assert self._layout_for is not None
-        self.reached = True
-        try:
-            layout = self._layout_for(node.settings.fragments, node.settings.pattern)
-            self.layout = layout
-            hello = hello_for(self.link, layout, self.codec, sends_init=self.link.learner_id == 0,
-                              instance=self.instance, challenge_nonce=(nonce := auth.new_nonce()),
-                              client_nonce=auth.new_nonce())
-            conn, initial_cut_ready = node.accept(hello, nonce, self)
-        except Refused as exc:
-            if exc.code.permanent:
-                self.refused = exc
-                self.inbox.append(Lost(f"refused: {exc.reason}"))
-                self._poke()
-            else:
-                self._redial_later()
-            return
-        self._backoff = REDIAL_FIRST_S
-        self.conn = conn
-        self.generations.append((node.incarnation, conn.generation))
-        conn.to_learner = self._receive
+        deadline = self.sim.now + self.link.connect_timeout_s  # of the whole dial
+        hs = LearnerHandshake(self.link, self.codec, sends_init=self.link.learner_id == 0, instance=self.instance,
+                              layout_for=self._layout_for, deadline=deadline,
+                              nonce=lambda: self.rng.randbytes(NONCE_BYTES))
+        conn = self.dialing = node.accept(self)
+        conn.bytes_to_learner = lambda data: self._handshake(conn, hs, node, data)
         conn.on_learner_lost = lambda reason: self._lost(conn, reason)
-        self.inbox.append(Connected(conn.generation, initial_cut_ready))
-        if self.link.learner_id == 0 and not initial_cut_ready:
+        self.sim.at(deadline, lambda: self._dial_late(conn, hs))
+
+    def _gone(self) -> bool:
+        """Closed, refused for good, or its process ended: it dials no more."""
+        return self.closed or self.refused is not None or (self.actor is not None and self.actor.finished)
+
+    def _handshake(self, conn: Connection, hs: LearnerHandshake, node: SyncerNode, data: bytes) -> None:
+        """The syncer's handshake bytes: the machine reads them, and what it writes goes back up."""
+        if conn is not self.dialing:
+            return
+        if self._gone():
+            self._dial_failed(conn, None)
+            return
+        try:
+            events = hs.receive_data(data)  # a malformed or out-of-turn frame is a bug here: the seed fails
+        except Refused as exc:  # this learner's own verdict on the schedule the CHALLENGE announced
+            self._dial_failed(conn, exc)
+            return
+        if out := hs.data_to_send():  # HELLO, or learner 0's MANIFEST after WELCOME
+            conn.send_bytes("up", out)
+        for event in events:
+            if isinstance(event, Refusal):  # the syncer's ERROR, or a WELCOME that does not verify
+                self.reached = True
+                self._dial_failed(conn, Refused(event.code, event.reason))
+            elif isinstance(event, Welcomed):
+                self.reached = True
+                assert hs.layout is not None
+                self._connected(conn, node, event, hs.layout)
+
+    def _connected(self, conn: Connection, node: SyncerNode, welcome: Welcomed, layout: Layout) -> None:
+        self.dialing = None
+        self._backoff = REDIAL_FIRST_S
+        self.layout = layout
+        self.conn = conn
+        self.generations.append((node.incarnation, welcome.generation))
+        self.inbox.append(Connected(welcome.generation, welcome.initial_cut_ready))
+        if self.link.learner_id == 0 and not welcome.initial_cut_ready:
             self._init_asked_on = conn
             self.inbox.append(InitWanted(self.initial_cut_received))
+        conn.deliver("down", self._receive)
         self._poke()
+
+    def _dial_failed(self, conn: Connection, refused: Refused | None) -> None:
+        """The dial ended without a group: its connection is closed; a refusal for good stops
+        dialing (the session hears it as `Lost`), anything else is retried after a backoff."""
+        self.dialing = None
+        conn.cut(f"refused: {refused.reason}" if refused is not None else "dial given up", quick=True)
+        if refused is not None and refused.code.permanent:
+            self.refused = exc = refused
+            self.inbox.append(Lost(f"refused: {exc.reason}"))
+            self._poke()
+        elif not self._gone():
+            self._redial_later()
+
+    def _dial_late(self, conn: Connection, hs: LearnerHandshake) -> None:
+        if conn is self.dialing and hs.timed_out(self.sim.now):
+            self._dial_failed(conn, None)
 
     def _redial_later(self) -> None:
         delay = self._backoff * self.rng.uniform(0.5, 1.0)
@@ -173,6 +224,9 @@ class SimLink:
         self.sim.after(delay, self._dial)
 
     def _lost(self, conn: Connection, reason: str) -> None:
+        if conn is self.dialing:  # lost in its handshake: the dial failed
+            self._dial_failed(conn, None)
+            return
         if conn is not self.conn:
             return
         self.conn = None
@@ -184,23 +238,17 @@ class SimLink:
             self._redial_later()
 
     def _receive(self, msg: Message, payload: bytes | None) -> None:
-        values = None
-        if isinstance(msg, Bcast | Final):
-            if self._reader is None:  # kept across connections, as the client keeps it
-                assert self.layout is not None
-                self._reader = BroadcastReader(self.layout, bcast_delta=self.link.bcast_delta)
-            try:
-                values = self._reader.values(msg, None if payload is None else memoryview(bytearray(payload)))
-            except AnchorMismatch:  # the client redials for a full resend
-                if self.conn is not None:
-                    self.conn.cut("downlink anchor mismatch", quick=True)
-                return
-            self.initial_cut_received = True
-        elif isinstance(msg, Error) and msg.code.permanent:
-            self.refused = self.refused or Refused(msg.code, msg.reason)
-        elif isinstance(msg, Consensus):
-            self.syncer_consensus = True
-        self.inbox.append(Received(msg, values))
+        try:
+            routed = self._downlink.route(msg, None if payload is None else memoryview(bytearray(payload)),
+                                          self.layout)
+        except AnchorMismatch:  # the client redials for a full resend
+            if self.conn is not None:
+                self.conn.cut("downlink anchor mismatch", quick=True)
+            return
+        self.initial_cut_received |= routed.values is not None
+        self.refused = self.refused or routed.refusal
+        self.syncer_consensus |= routed.consensus
+        self.inbox.append(Received(msg, routed.values))
         self._poke()
 
     def _poke(self) -> None:
@@ -218,7 +266,7 @@ class Trained:
     steps: int = 0
     final_installed: bool = False
     refused: str | None = None
-    reached: bool = False  # it dialed a listening syncer at least once
+    reached: bool = False  # a syncer answered its HELLO at least once
     crashed: bool = False
     ended: bool = False
     finals: list[torch.Tensor] | None = None  # its fragments' values at the end, once the final cut is in

@@ -6,6 +6,12 @@ in order, streams overtake each other. Here each direction of a connection has a
 delay drawn per message from the run's seeded random source. So a PULL may overtake the BCAST
 sent before it, and a DONE the learner's last PUSH, exactly as on the wire.
 
+The handshake travels as bytes (`send_bytes`): the frames the real sans-I/O machines write, on
+the control lane, in order with the messages that follow it. What arrives for a side before its
+handshake has ended is held and handed over, in order, when it ends (`deliver`): a real peer
+reads its data streams only once they have attached, after WELCOME, so nothing on them can
+overtake the handshake.
+
 A connection that is cut delivers nothing more; each side hears of it after its own detection
 delay (a reset is quick, a silent peer takes its heartbeat timeout). A graceful close delivers
 what is queued first.
@@ -37,32 +43,58 @@ class Latency:
 class Connection:
     """One connection group. `up` is learner → syncer, `down` syncer → learner."""
 
-    def __init__(self, sim: Scheduler, latency: Latency, *, learner_id: int, generation: int) -> None:
+    def __init__(self, sim: Scheduler, latency: Latency) -> None:
         self.sim = sim
         self.latency = latency
-        self.learner_id = learner_id
-        self.generation = generation
         self.open = True
         self.closing = False  # a graceful close is under way: nothing new is accepted
         self._last: dict[tuple[str, bool], float] = {}  # (direction, data lane) -> last delivery time
         self.on_learner_lost: Callable[[str], None] = lambda reason: None
         self.on_syncer_left: Callable[[str], None] = lambda reason: None
-        self.to_learner: Deliver = lambda msg, payload: None
-        self.to_syncer: Deliver = lambda msg, payload: None
+        self.bytes_to_learner: Callable[[bytes], None] = lambda data: None  # the handshake's frames
+        self.bytes_to_syncer: Callable[[bytes], None] = lambda data: None
+        self._deliver: dict[str, Deliver | None] = {"up": None, "down": None}  # None: that side is in its handshake
+        self._held: dict[str, list[tuple[Message, bytes | None]]] = {"up": [], "down": []}
+
+    def _queue(self, direction: str, data_lane: bool, nbytes: int, arrive: Callable[[], None]) -> bool:
+        if not self.open or self.closing:
+            return False
+        lane = (direction, data_lane)
+        when = max(self._last.get(lane, 0.0), self.sim.now + self.latency.one_way(nbytes))
+        self._last[lane] = when
+        self.sim.at(when, arrive)
+        return True
 
     def carry(self, direction: str, msg: Message, payload: bytes | None) -> bool:
         """Queue `msg` on its lane; False when the connection no longer takes messages."""
-        if not self.open or self.closing:
-            return False
-        lane = (direction, payload is not None)
-        when = max(self._last.get(lane, 0.0), self.sim.now + self.latency.one_way(len(payload or b"")))
-        self._last[lane] = when
-        self.sim.at(when, lambda: self._arrive(direction, msg, payload))
-        return True
+        return self._queue(direction, payload is not None, len(payload or b""),
+                           lambda: self._arrive(direction, msg, payload))
+
+    def send_bytes(self, direction: str, data: bytes) -> bool:
+        """Queue handshake bytes on the control lane (a delay for their size, in order with the rest)."""
+        return self._queue(direction, False, len(data), lambda: self._arrive_bytes(direction, data))
+
+    def deliver(self, direction: str, to: Deliver) -> None:
+        """The receiving side of `direction` ended its handshake: what arrived for it meanwhile goes
+        to `to` now, in order, and so does everything after."""
+        self._deliver[direction] = to
+        held, self._held[direction] = self._held[direction], []
+        for msg, payload in held:
+            if not self.open:  # `to` cut it
+                break
+            to(msg, payload)
 
     def _arrive(self, direction: str, msg: Message, payload: bytes | None) -> None:
         if self.open:
-            (self.to_syncer if direction == "up" else self.to_learner)(msg, payload)
+            to = self._deliver[direction]
+            if to is None:
+                self._held[direction].append((msg, payload))
+            else:
+                to(msg, payload)
+
+    def _arrive_bytes(self, direction: str, data: bytes) -> None:
+        if self.open:
+            (self.bytes_to_syncer if direction == "up" else self.bytes_to_learner)(data)
 
     def drained_at(self, direction: str) -> float:
         """When everything queued in `direction` has arrived."""

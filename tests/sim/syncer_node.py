@@ -3,6 +3,15 @@ checkpoint writer) on the scheduler's thread, with simulated connection groups.
 
 One `SyncerNode` is one process: a crash drops it with every connection (its checkpoint file
 stays), and a restart is a new node resumed from that file, as `python -m syncer --resume` is.
+
+Each dial is greeted as `syncer/service/server.py` greets one: the real `SyncerHandshake` reads the
+learner's bytes and writes its own (CHALLENGE, WELCOME or ERROR), its HELLO is judged by the real
+`Admission` (the server's rule, over this coordinator's live view), and the real `PendingGroups`
+numbers the group and builds what the coordinator learns of it (`Joined`, `Got`, `Left`). Data
+streams are implicit: one data lane each way stands for all of them, so the syncer attaches a
+group's data streams itself once its control stream is admitted, and no ATTACH is exchanged
+(only a key-holder gets a token, no fault targets one data stream, and an ATTACH can be refused
+for nothing else, so its round trips would change no outcome).
 The decode and prepare pools run their work inline and their results come back as events after a
 seeded delay, as the real pools' would: after other events, in an order the seed picks.
 """
@@ -10,6 +19,7 @@ seeded delay, as the real pools' would: after other events, in an order the seed
 from __future__ import annotations
 
 import functools
+import logging
 import random
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -17,21 +27,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from syncer.core.events import Connected, Got, Joined, Left
-from syncer.core.handshake import HandshakeRefused, check_hello
+from syncer.core.events import Connected
 from syncer.core.links import Phase, sweep_problem
 from syncer.durability.checkpoint import SyncerState, last_generations
+from syncer.service.admission import Admission
 from syncer.service.coordinator import Coordinator
+from syncer.service.pending import PendingGroup, PendingGroups
 from tests.sim.network import Connection, Latency, payload_bytes
 from tests.sim.scheduler import Scheduler
 from tests.unit.syncer_harness import RecordingTape
+from yeto_core.net.tickets import SendTicket
 from yeto_core.settings import SyncerSettings
-from yeto_core.wire.errors import Refused
-from yeto_core.wire.messages import Hello, Manifest, Message
-from yeto_core.wire.transport import SendTicket
+from yeto_core.wire.connection import Admitted, Refusal, SyncerHandshake
+from yeto_core.wire.messages import NONCE_BYTES, TOKEN_BYTES, Hello, Message
 
 if TYPE_CHECKING:
     from tests.sim.learner_node import SimLink
+
+log = logging.getLogger("yeto.sim.syncer")
 
 
 class InlineExecutor(Executor):
@@ -97,7 +110,15 @@ class SyncerNode:
         self.tape = RecordingTape()
         self.co = Coordinator(settings, device=torch.device("cpu"), tape=self.tape,  # type: ignore[arg-type]
                               state=state, clock=sim.clock, executor=InlineExecutor)
-        self.generations: dict[int, int] = last_generations(state.ledger) if state is not None else {}
+        s = settings
+        self.admission = Admission(key, pinned_fingerprint=self.co.pinned_fingerprint,
+                                   schedule_problem=functools.partial(sweep_problem, fragments=s.fragments,
+                                                                      pipeline=s.pipeline,
+                                                                      sync_interval_steps=s.sync_interval_steps),
+                                   id_conflict=self.co.id_conflict)
+        self.pending: PendingGroups[Connection] = PendingGroups(
+            s.handshake_timeout_s, last_generations(state.ledger) if state is not None else None,
+            new_token=lambda: self.rng.randbytes(TOKEN_BYTES))
         self.conns: list[Connection] = []
         self.alive = True
         self.listening = True
@@ -115,32 +136,68 @@ class SyncerNode:
         return self.co.protocol.phase is Phase.DONE
 
     # -- the handshake -----------------------------------------------------------------------------
-    def accept(self, hello: Hello, nonce: bytes, link: SimLink) -> tuple[Connection, bool]:
-        """Admit `link`'s HELLO (raising `Refused` as the real server answers ERROR) and open its group."""
-        s = self.settings
-        try:
-            check_hello(hello, key=self.key, nonce=nonce, who=f"learner {hello.learner_id} (sim)",
-                        pinned=self.co.pinned_fingerprint(), id_conflict=self.co.id_conflict,
-                        schedule_problem=lambda flags: sweep_problem(flags, fragments=s.fragments, pipeline=s.pipeline,
-                                                                     sync_interval_steps=s.sync_interval_steps))
-        except HandshakeRefused as exc:
-            raise Refused(exc.code, exc.reason) from exc
-        lid = hello.learner_id
-        generation = self.generations[lid] = self.generations.get(lid, 0) + 1
-        self.processes[lid << 32 | generation] = link.process
-        conn = Connection(self.sim, self.latency, learner_id=lid, generation=generation)
-        conn.to_syncer = lambda msg, payload: self.post(Got(lid, generation, msg, _received(payload)))
-        conn.on_syncer_left = lambda reason: self.post(Left(lid, generation, reason))
+    def accept(self, link: SimLink) -> Connection:
+        """A new connection from `link`, greeted with the CHALLENGE: as `SyncerServer._handshake`,
+        the machine decides, this moves its bytes and acts on its verdict."""
+        conn = Connection(self.sim, self.latency)
         self.conns.append(conn)
-        ready = self.co.initial_cut_ready()
-        manifest = None
-        if lid == 0 and link.layout is not None:
-            layout = link.layout
-            manifest = Manifest(layout.num_fragments, layout.pattern, layout.specs)
-        self.post(Connected(SimGroup(conn), Joined(lid, generation, hello.fingerprint, hello.wire_dtype, manifest,
-                                                   hello.flags, hello.push_block, hello.instance,
-                                                   f"sim:{link.process}")))
-        return conn, ready
+        peer = f"sim:{link.process}"
+        opened: list[PendingGroup[Connection]] = []  # the group this connection's WELCOME opened, if any
+
+        def welcome(hello: Hello) -> tuple[int, bytes, bool]:
+            group = self.pending.open(hello, conn, self.sim.now)
+            opened.append(group)
+            return group.generation, group.token, self.co.initial_cut_ready()
+
+        deadline_at = self.sim.now + self.settings.handshake_timeout_s
+        hs = SyncerHandshake(self.key, self.settings.schedule, welcome=welcome,
+                             check=lambda hello, nonce: self.admission.check(hello, nonce, peer),
+                             pending=self.pending.pending_learner, deadline=deadline_at,
+                             nonce=lambda: self.rng.randbytes(NONCE_BYTES))
+
+        def abandon(reason: str = "") -> None:
+            if opened:  # unless its control stream was admitted, no stream may attach to its group
+                self.pending.abandon(opened[0])
+
+        def receive(data: bytes) -> None:
+            if not self.alive or self.done:
+                return
+            events = hs.receive_data(data)  # a malformed or out-of-turn frame is a bug here: the seed fails
+            if out := hs.data_to_send():
+                conn.send_bytes("down", out)
+            for event in events:
+                if isinstance(event, Admitted):
+                    self._admitted(conn, opened[0], event, link.process)
+                elif isinstance(event, Refusal):
+                    log.warning("refused %s: %s", peer, event.reason)
+                    abandon()
+                    conn.close_after("down", None, f"refused: {event.reason}")  # after the ERROR
+                else:
+                    raise AssertionError(f"a dial ended its handshake with {event}")
+
+        def deadline() -> None:
+            if hs.timed_out(self.sim.now):  # the gate cuts a handshake that passed its deadline
+                conn.cut("handshake passed its deadline", quick=True)
+
+        conn.bytes_to_syncer = receive
+        conn.on_syncer_left = abandon
+        conn.send_bytes("down", hs.data_to_send())  # the CHALLENGE
+        self.sim.at(deadline_at, deadline)
+        return conn
+
+    def _admitted(self, conn: Connection, group: PendingGroup[Connection], event: Admitted, process: int) -> None:
+        """The control stream joined: its (implicit) data streams attach, and the group goes to the coordinator."""
+        group.admitted(event.manifest, event.payload_bound)
+        self.processes[group.learner_id << 32 | group.generation] = process
+        whole = None
+        for index in range(len(group.data)):
+            whole = self.pending.attach(group.token, index, conn)
+        assert whole is group
+        wiring = group.wiring(self.post, screened=False, max_payload=self.co.max_payload)
+        on_message = wiring["on_message"]
+        conn.on_syncer_left = wiring["on_close"]
+        self.post(Connected(SimGroup(conn), group.joined(f"sim:{process}")))
+        conn.deliver("up", lambda msg, payload: on_message(msg, _received(payload)))
 
     # -- the coordinator's turns -----------------------------------------------------------------
     def post(self, event: Any) -> None:

@@ -164,10 +164,10 @@ class World:
     def _learner_settings(self, key: bytes) -> LearnerSettings:
         """Read once per key (reading the environment takes milliseconds); each learner gets a copy with its id."""
         if key not in self._settings:
-            self._settings[key] = LearnerSettings(
-                syncer="127.0.0.1:9", key=SecretStr(key.decode()), sync_interval=self.scenario.interval,
-                reconnect_max_s=2.0, init_timeout_s=600.0, final_timeout_s=600.0, blocking_timeout_s=60.0,
-                lockstep_timeout_s=30.0, consensus_every=0, **self.scenario.learner)
+            self._settings[key] = LearnerSettings(  # H unset: the syncer's, learned at the handshake
+                syncer="127.0.0.1:9", key=SecretStr(key.decode()), reconnect_max_s=2.0, init_timeout_s=600.0,
+                final_timeout_s=600.0, blocking_timeout_s=60.0, lockstep_timeout_s=30.0, consensus_every=0,
+                **self.scenario.learner)
         return self._settings[key]
 
     def _backend(self) -> str:
@@ -217,15 +217,14 @@ class World:
     def _fault(self, fault: Fault) -> None:
         live = self._live(fault.learner)
         if fault.kind == "drop":
-            if live is not None and live[1].conn is not None:
-                live[1].conn.cut("simulated link failure", quick=False, detect_s=min(fault.lasts, 5.0))
+            if live is not None:  # its connection, or the one still in its handshake
+                live[1].cut("simulated link failure", quick=False, detect_s=min(fault.lasts, 5.0))
         elif fault.kind == "crash":
             if live is not None and not live[2].final_installed:
                 actor, link, out = live
                 actor.kill()
                 out.crashed = True
-                if link.conn is not None:
-                    link.conn.cut("learner crashed", quick=True)
+                link.cut("learner crashed", quick=True)
                 left = self.scenario.steps - out.steps
                 self.sim.after(fault.lasts, functools.partial(self._restart, fault.learner, max(left, 1)))
         elif fault.kind == "syncer":

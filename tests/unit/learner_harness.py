@@ -13,6 +13,7 @@ from yeto_core.layout import Layout
 from yeto_core.learner import LearnerSession
 from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushJob, Received
 from yeto_core.probe import ProbeResult
+from yeto_core.sections import Schedule
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire.errors import Refused
 from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, BCAST_MERGED, Bcast, Final, Message, Pull
@@ -32,11 +33,13 @@ class FakeClock:
 class MemoryLink:
     """Events the test queues come out in order. A wait on an empty queue first lets the
     test's `on_wait` act (the syncer answering while the learner waits), then passes the
-    whole timeout on the fake clock. Pushes are "sent" at once unless `send_pushes` is off."""
+    whole timeout on the fake clock. Pushes are "sent" at once unless `send_pushes` is off. Its
+    syncer announces `sync_interval` as H (0: it does not pace by steps, the learner keeps its own)."""
 
-    def __init__(self, clock: FakeClock, *, fragments: int = 1, pattern: str = "binpack") -> None:
+    def __init__(self, clock: FakeClock, *, fragments: int = 1, pattern: str = "binpack",
+                 sync_interval: int = 0) -> None:
         self.clock = clock
-        self.num_fragments, self.pattern = fragments, pattern
+        self.num_fragments, self.pattern, self.sync_interval = fragments, pattern, sync_interval
         self.events: deque[Inbound] = deque()
         self.jobs: list[PushJob] = []
         self.sent: list[Message] = []
@@ -73,7 +76,7 @@ class MemoryLink:
 
     # -- the Link protocol -----------------------------------------------------------------------
     def start(self, layout_for: LayoutFor, step: Callable[[], int]) -> None:
-        self.layout = layout_for(self.num_fragments, self.pattern)  # as on the first CHALLENGE
+        self.layout = layout_for(Schedule(self.num_fragments, self.pattern, self.sync_interval))  # the first CHALLENGE
         self.connect()
 
     def next_event(self, timeout_s: float) -> Inbound | None:

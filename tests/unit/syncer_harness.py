@@ -15,9 +15,9 @@ from syncer.core.rounds import RoundState
 from syncer.service.coordinator import Coordinator
 from yeto_core.codecs import F32, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
+from yeto_core.net.tickets import SendTicket
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.messages import HELLO_OVERLAP, Bcast, Done, Final, Init, Manifest, Message, Pull, Push
-from yeto_core.wire.transport import SendTicket
 
 SPECS = (TensorSpec("a", (4,), "float32"), TensorSpec("b", (4,), "float32"))
 

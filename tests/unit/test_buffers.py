@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from yeto_core.wire.buffers import MIN_POOLED_BYTES, BufferPool
+from yeto_core.buffers import MIN_POOLED_BYTES, BufferPool
 
 pytestmark = pytest.mark.unit
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from yeto_core.layout import TensorSpec
+from yeto_core.net.stream import Stream
 from yeto_core.wire.codec import MAX_LIST_ITEMS, MAX_STR_BYTES
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
@@ -56,13 +57,13 @@ from yeto_core.wire.messages import (
     encode_frame,
     parse_header,
 )
-from yeto_core.wire.transport import MAX_TRANSFERS_IN_FLIGHT, Reassembler, Stream
+from yeto_core.wire.reassembly import MAX_TRANSFERS_IN_FLIGHT, Reassembler
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 # -- seeds: one valid frame of every message type ----------------------------------------------
 SEED_MESSAGES: tuple[Message, ...] = (
-    Challenge(b"\x11" * 32, 4, "layers"),
+    Challenge(b"\x11" * 32, 4, "layers", 24),
     Hello(3, 2, b"\x22" * 32, 1, CHUNK_BYTES, 1, b"\x33" * 32, b"\x44" * 32, 0),
     Welcome(b"\x55" * 16, 7, True, b"\x66" * 32),
     Attach(b"\x55" * 16, 1, b"\x77" * 32),

@@ -10,7 +10,7 @@ from learner_harness import FakeClock, MemoryLink, hand_fed
 
 from yeto_core.learner import LearnerSession
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult
-from yeto_core.refusal import IslandRefused
+from yeto_core.refusal import IslandRefused, ProbeFailed
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_core.wire.errors import ErrorCode, Refused
 from yeto_core.wire.messages import Bye, Done
@@ -75,6 +75,16 @@ def test_every_deadline_is_on_the_session_clock() -> None:
     assert not s.finish()  # no final cut: it gives up after 300 s of its clock, having said DONE once
     assert clock.now == pytest.approx(1900.0, abs=0.6)
     assert link.sent == [Done(0)]
+
+
+def test_no_boundary_counts_before_the_syncer_announced_its_schedule() -> None:
+    # Stepping before the first CHALLENGE (the initial cut never came): no layout, no H yet, so a
+    # lockstep island does not wait at a boundary of a schedule it does not know.
+    s, link, clock, _ = hand_fed([("w", torch.zeros(2))], lockstep=True, sync_interval=None)
+    before = clock.now
+    for _ in range(2 * s.sync_interval):
+        s.step(tokens=1)
+    assert clock.now == before and s.stats.lockstep_misses == 0 and link.jobs == []
 
 
 def test_pushes_carry_what_trained_since_the_anchor_and_the_step_time_of_the_clock() -> None:
@@ -270,13 +280,14 @@ def test_a_permanent_refusal_stops_the_island_unless_it_may_train_alone() -> Non
     assert not alone.step(tokens=1) and not alone.finish()
 
 
-def test_a_link_below_the_minimum_rate_exits_75_before_joining() -> None:
+def test_a_link_below_the_minimum_rate_raises_probe_failed_with_exit_code_75_before_joining() -> None:
     s, link, _, said = hand_fed([("w", torch.zeros(2))], wan_probe_min_mbps=100)
     link.measured = ProbeResult(12.5, 900.0)
-    with pytest.raises(SystemExit) as exited:
+    with pytest.raises(ProbeFailed) as failed:
         s.start()
-    assert exited.value.code == PROBE_EXIT_CODE and link.layout is None  # never dialed
-    assert "too slow to join" in said[0] and "12.5 Mbit/s up" in said[0]
+    assert failed.value.exit_code == PROBE_EXIT_CODE and link.layout is None  # never dialed
+    assert str(failed.value).startswith("yeto learner 0: too slow to join: link to 127.0.0.1:9 measured 12.5 Mbit/s up")
+    assert said == []  # the session says nothing: whoever owns the process prints the line and exits
 
 
 def test_rl_sweep_mode_changes_no_weight_inside_an_iteration_and_pushes_every_fragment_at_its_end() -> None:

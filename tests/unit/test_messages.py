@@ -85,20 +85,21 @@ class Golden:
         return bytes.fromhex("".join(h for _, h in self.body))
 
 
-# Header: "YETO" 59 45 54 4f | version 01 | type | flags 0000 | body length u32 LE.
+# Header: "YETO" 59 45 54 4f | version 02 | type | flags 0000 | body length u32 LE.
 GOLDEN = [
     Golden(
-        Challenge(NONCE, 4, "binpack"),
-        "5945544f" "01" "01" "0000" "2f000000",  # 47-byte body
+        Challenge(NONCE, 4, "binpack", 24),
+        "5945544f" "02" "01" "0000" "33000000",  # 51-byte body
         (
             ("nonce", NONCE_HEX),
             ("num_fragments", "04000000"),
             ("pattern", "07000000" "62696e7061636b"),  # u32 length 7, "binpack"
+            ("sync_interval", "18000000"),  # H = 24
         ),
     ),
     Golden(
         Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC, 128, TOKEN),
-        "5945544f" "01" "02" "0000" "82000000",  # 130-byte body
+        "5945544f" "02" "02" "0000" "82000000",  # 130-byte body
         (
             ("learner_id", "07000000"),
             ("data_streams", "02"),
@@ -114,7 +115,7 @@ GOLDEN = [
     ),
     Golden(
         Welcome(TOKEN, 3, True, MAC),
-        "5945544f" "01" "03" "0000" "35000000",  # 53-byte body
+        "5945544f" "02" "03" "0000" "35000000",  # 53-byte body
         (
             ("token", TOKEN_HEX),
             ("generation", "03000000"),
@@ -124,7 +125,7 @@ GOLDEN = [
     ),
     Golden(
         Attach(TOKEN, 1, MAC),
-        "5945544f" "01" "04" "0000" "31000000",  # 49-byte body
+        "5945544f" "02" "04" "0000" "31000000",  # 49-byte body
         (
             ("token", TOKEN_HEX),
             ("index", "01"),
@@ -133,7 +134,7 @@ GOLDEN = [
     ),
     Golden(
         Error(ErrorCode.LAYOUT, "bad fp"),
-        "5945544f" "01" "05" "0000" "0c000000",  # 12-byte body
+        "5945544f" "02" "05" "0000" "0c000000",  # 12-byte body
         (
             ("code", "0300"),  # u16 LAYOUT = 3
             ("reason", "06000000" "626164206670"),  # "bad fp"
@@ -141,7 +142,7 @@ GOLDEN = [
     ),
     Golden(
         Manifest(2, "strided", (TensorSpec("emb", (8, 4), "float32", True), TensorSpec("b", (), "bfloat16"))),
-        "5945544f" "01" "07" "0000" "4a000000",  # 74-byte body
+        "5945544f" "02" "07" "0000" "4a000000",  # 74-byte body
         (
             ("num_fragments", "02000000"),
             ("pattern", "07000000" "73747269646564"),  # "strided"
@@ -160,7 +161,7 @@ GOLDEN = [
     ),
     Golden(
         Init(1, 5, 4096, 1),
-        "5945544f" "01" "08" "0000" "15000000",  # 21-byte body
+        "5945544f" "02" "08" "0000" "15000000",  # 21-byte body
         (
             ("fragment", "01000000"),
             ("transfer", "0500000000000000"),
@@ -170,7 +171,7 @@ GOLDEN = [
     ),
     Golden(
         Pull(0x0102030405060708, 2, 3, 9),
-        "5945544f" "01" "09" "0000" "14000000",  # 20-byte body
+        "5945544f" "02" "09" "0000" "14000000",  # 20-byte body
         (
             ("round", "0807060504030201"),  # u64 little-endian
             ("attempt", "02000000"),
@@ -180,7 +181,7 @@ GOLDEN = [
     ),
     Golden(
         Push(10, 2, 3, 9, 123456789, 24, 250000, 6, 1024, 2),
-        "5945544f" "01" "0a" "0000" "35000000",  # 53-byte body
+        "5945544f" "02" "0a" "0000" "35000000",  # 53-byte body
         (
             ("round", "0a00000000000000"),
             ("attempt", "02000000"),
@@ -196,7 +197,7 @@ GOLDEN = [
     ),
     Golden(
         Bcast(3, 10, 10, BCAST_FULL, 7, 2048, 1, bytes(range(32))),
-        "5945544f" "01" "0b" "0000" "45000000",  # 69-byte body
+        "5945544f" "02" "0b" "0000" "45000000",  # 69-byte body
         (
             ("fragment", "03000000"),
             ("version", "0a000000"),
@@ -210,7 +211,7 @@ GOLDEN = [
     ),
     Golden(
         Final(3, 11, 4, 40, 8, 2048, 1),
-        "5945544f" "01" "0c" "0000" "25000000",  # 37-byte body
+        "5945544f" "02" "0c" "0000" "25000000",  # 37-byte body
         (
             ("fragment", "03000000"),
             ("version", "0b000000"),
@@ -223,7 +224,7 @@ GOLDEN = [
     ),
     Golden(
         Heartbeat(5, 240),
-        "5945544f" "01" "0d" "0000" "10000000",  # 16-byte body
+        "5945544f" "02" "0d" "0000" "10000000",  # 16-byte body
         (
             ("seq", "0500000000000000"),
             ("step", "f000000000000000"),
@@ -231,17 +232,17 @@ GOLDEN = [
     ),
     Golden(
         Bye("final cut installed"),
-        "5945544f" "01" "0e" "0000" "17000000",  # 23-byte body
+        "5945544f" "02" "0e" "0000" "17000000",  # 23-byte body
         (("reason", "13000000" "66696e616c2063757420696e7374616c6c6564"),),
     ),
     Golden(
         Done(1000),
-        "5945544f" "01" "0f" "0000" "08000000",  # 8-byte body
+        "5945544f" "02" "0f" "0000" "08000000",  # 8-byte body
         (("step", "e803000000000000"),),
     ),
     Golden(
         BwProbe(1 << 20, 2 << 20, bytes(range(32))),
-        "5945544f" "01" "10" "0000" "30000000",  # 48-byte body
+        "5945544f" "02" "10" "0000" "30000000",  # 48-byte body
         (
             ("up", "0000100000000000"),  # 1 MiB
             ("down", "0000200000000000"),  # 2 MiB
@@ -250,7 +251,7 @@ GOLDEN = [
     ),
     Golden(
         ProbeReport(240, 9, b"\x01\x02\x03"),
-        "5945544f" "01" "11" "0000" "17000000",  # 23-byte body
+        "5945544f" "02" "11" "0000" "17000000",  # 23-byte body
         (
             ("step", "f000000000000000"),
             ("installed", "0900000000000000"),
@@ -259,7 +260,7 @@ GOLDEN = [
     ),
     Golden(
         Consensus(10, 2, 0.5, (1.0, UNKNOWN)),
-        "5945544f" "01" "12" "0000" "28000000",  # 40-byte body
+        "5945544f" "02" "12" "0000" "28000000",  # 40-byte body
         (
             ("round", "0a00000000000000"),
             ("learners", "02000000"),
@@ -272,8 +273,8 @@ GOLDEN = [
 # Extremes and odd values next to the golden ones: every field at its widest, empty strings, non-ASCII.
 EXTREMES: list[Message] = [
     BwProbe(MAX_PROBE_BYTES, 0),
-    Challenge(b"\xff" * 32, U32_MAX, ""),
-    Challenge(NONCE, 1, "strided-ünïcødé-✓"),
+    Challenge(b"\xff" * 32, U32_MAX, "", U32_MAX),
+    Challenge(NONCE, 1, "strided-ünïcødé-✓", 0),  # H 0: the syncer does not pace by steps
     Hello(U32_MAX, 255, FPRINT, 255, U32_MAX, U32_MAX, CNONCE),  # default all-zero mac
     Hello(0, 1, b"\0" * 32, 1, CHUNK_BYTES, 0, b"\0" * 32, b"\xff" * 32),
     Welcome(TOKEN, U32_MAX, False, MAC),
@@ -403,7 +404,7 @@ def _header(magic: bytes = MAGIC, version: int = PROTOCOL_VERSION, mtype: int = 
 def test_header_is_twelve_bytes() -> None:
     assert HEADER.size == 12
     assert CHUNK_HEADER.size == 24
-    assert _header() == bytes.fromhex("5945544f" "01" "09" "0000" "14000000")
+    assert _header() == bytes.fromhex("5945544f" "02" "09" "0000" "14000000")
 
 
 def test_parse_header_accepts_a_good_header() -> None:
@@ -421,9 +422,11 @@ def test_parse_header_rejects_bad_magic(magic: bytes) -> None:
         parse_header(_header(magic=magic))
 
 
-@pytest.mark.parametrize("version", [0, 2, 255])
+@pytest.mark.parametrize("version", [0, 1, 3, 255])
 def test_parse_header_rejects_other_versions(version: int) -> None:
-    with pytest.raises(ProtocolError, match=f"protocol version {version} is not supported"):
+    # Version 1's CHALLENGE lacks H: a peer of either side is turned away on its first frame, both named.
+    assert PROTOCOL_VERSION == 2
+    with pytest.raises(ProtocolError, match=rf"^protocol version {version} is not supported \(this side speaks 2\)$"):
         parse_header(_header(version=version))
 
 
@@ -474,7 +477,7 @@ def test_encode_frame_refuses_an_oversize_body(monkeypatch: pytest.MonkeyPatch) 
 # -- bounded strings and lists ---------------------------------------------------------------
 
 STRING_MESSAGES = [
-    pytest.param(lambda s: Challenge(NONCE, 1, s), id="Challenge.pattern"),
+    pytest.param(lambda s: Challenge(NONCE, 1, s, 24), id="Challenge.pattern"),
     pytest.param(lambda s: Error(ErrorCode.REFUSED, s), id="Error.reason"),
     pytest.param(lambda s: Bye(s), id="Bye.reason"),
     pytest.param(lambda s: Manifest(1, s, ()), id="Manifest.pattern"),
@@ -570,7 +573,7 @@ def test_manifest_with_an_invalid_spec_is_a_protocol_error(name: str, dtype: str
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda: Challenge(NONCE[:31], 1, "binpack"), id="Challenge.nonce"),
+        pytest.param(lambda: Challenge(NONCE[:31], 1, "binpack", 24), id="Challenge.nonce"),
         pytest.param(lambda: Hello(0, 1, FPRINT[:31], 1, CHUNK_BYTES, 0, CNONCE), id="Hello.fingerprint"),
         pytest.param(lambda: Hello(0, 1, FPRINT, 1, CHUNK_BYTES, 0, CNONCE + b"x"), id="Hello.client_nonce"),
         pytest.param(lambda: Hello(0, 1, FPRINT, 1, CHUNK_BYTES, 0, CNONCE, MAC[:1]), id="Hello.mac"),

@@ -16,9 +16,9 @@ from syncer.core.effects import Peer, Send
 from syncer.core.leases import Leases
 from syncer.durability.tape import EventTape
 from syncer.service.coordinator import Coordinator
+from yeto_core.net.tickets import SendTicket
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.messages import BCAST_FULL, Bcast
-from yeto_core.wire.transport import SendTicket
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,9 @@
 Each test drives `SyncerProtocol.handle(now, event)` by hand and reads the effects it returns:
 what it sends and to whom, what it records, when it asks for a checkpoint, a merge or a decode,
 and where its fault points fall. Merges are performed by the real `RoundMerger`, as the shell
-would, and handed back as `Merged`."""
+would, and handed back as `Merged`; the protocol's asks (an INIT checked, an f32 or carried push
+decoded, a broadcast encoded) are answered by the shell's own `answer`, as the shell would, and
+left out of the effects a turn returns (`Driver.asked` keeps them)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from syncer.core.effects import (
     Record,
     Send,
     StallTimeout,
+    is_ask,
 )
 from syncer.core.events import Decoded, Got, Joined, Left, Merged, Stop, Synced
 from syncer.core.links import Phase
@@ -34,6 +37,7 @@ from syncer.core.protocol import SyncerProtocol
 from syncer.core.rounds import RoundState, last_of_fragment
 from syncer.durability.checkpoint import SyncerState
 from syncer.merge.round_merge import PreparedMerge, RoundMerger
+from syncer.service.coordinator import answer
 from yeto_core.codecs import F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
@@ -56,9 +60,22 @@ class Driver:
         self.protocol = SyncerProtocol(self.settings, device=torch.device("cpu"), state=state, now=self.now)
         self.merger = RoundMerger(self.settings.merging)
         self.generations: dict[int, int] = {}
+        self.asked: list[Effect] = []  # every ask answered, in order
 
     def turn(self, event: Any = None) -> list[Effect]:
-        return self.protocol.handle(self.now, event)
+        """One turn, then the turns that take in the answers to its asks, as the shell runs them:
+        the effects performed, in order, without the asks."""
+        out: list[Effect] = []
+        effects = self.protocol.handle(self.now, event)
+        while True:
+            out += [e for e in effects if not is_ask(e)]
+            if not effects or not is_ask(effects[-1]):
+                return out
+            ask = effects[-1]
+            self.asked.append(ask)
+            layout = self.protocol.layout
+            assert layout is not None
+            effects = self.protocol.handle(self.now, answer(ask, layout, torch.device("cpu")))  # type: ignore[arg-type]
 
     def join(self, lid: int, *, fingerprint: bytes = LAYOUT.fingerprint, wire_dtype: int = F32.wire_id,
              conflict: str | None = None) -> list[Effect]:

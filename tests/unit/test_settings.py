@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Schedule
 from yeto_core.settings import (
     FINAL_CHECKPOINT_S,
     IsoWorkerSettings,
@@ -38,6 +39,15 @@ def test_explicit_arguments_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("YETO_DILOCO_SYNC_INTERVAL", "48")
     s = load_settings(LearnerSettings, syncer="10.1.2.3:9", sync_interval=12)
     assert s.syncer == "10.1.2.3:9" and s.sync_interval == 12
+
+
+def test_h_is_the_syncers_unless_a_learner_sets_it_to_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(LearnerSettings, syncer="h:1").sync_interval is None  # learned at the handshake
+    syncer = load_settings(SyncerSettings, fragments=8, sync_interval_steps=0)
+    assert syncer.schedule == Schedule(8, "binpack", 0)
+    assert SyncerSettings().sync_interval_steps == DEFAULT_SYNC_INTERVAL
+    monkeypatch.setenv("YETO_DILOCO_SYNC_INTERVAL", "12")
+    assert load_settings(LearnerSettings, syncer="h:1").sync_interval == 12
 
 
 @pytest.mark.parametrize(("var", "value", "needle"), [

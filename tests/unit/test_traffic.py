@@ -6,8 +6,8 @@ import threading
 
 from syncer.service.traffic import CONTROL, BroadcastTimer, wire_size
 from yeto_core.codecs import F32, codec_by_name
+from yeto_core.net.tickets import SendTicket
 from yeto_core.wire.messages import HEADER, Bcast, Heartbeat, Pull, Push
-from yeto_core.wire.transport import SendTicket
 
 
 def test_a_bulk_message_counts_its_payload_under_its_codec() -> None:

@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-import yeto_core.wire.transport as transport
+import yeto_core.net.control as control
+from yeto_core.net.group import ConnectionGroup
+from yeto_core.net.stream import Stream
+from yeto_core.net.tickets import SendTicket
 from yeto_core.wire.errors import ErrorCode, ProtocolError
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
@@ -34,15 +37,8 @@ from yeto_core.wire.messages import (
     Push,
     encode_frame,
 )
-from yeto_core.wire.transport import (
-    MAX_TRANSFERS_IN_FLIGHT,
-    ConnectionGroup,
-    Reassembler,
-    Screen,
-    SendTicket,
-    Stream,
-    pick_stream,
-)
+from yeto_core.wire.reassembly import MAX_TRANSFERS_IN_FLIGHT, Reassembler, Screen
+from yeto_core.wire.striping import pick_stream
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(20)]
 
@@ -477,7 +473,7 @@ def test_send_ticket_counts_chunks() -> None:
 
 
 class _CloseOnFirstEnter:
-    """Stands in for the group's id lock and closes the group just before send() takes it."""
+    """Stands in for the group's lock and closes the group just before send() takes it."""
 
     def __init__(self, group: ConnectionGroup) -> None:
         self._group = group
@@ -497,7 +493,7 @@ class _CloseOnFirstEnter:
 
 def test_send_racing_close_still_completes_the_ticket(links: Links) -> None:
     _, a = links.raw_peer(1, start=False)
-    a.group._id_lock = _CloseOnFirstEnter(a.group)  # type: ignore[assignment]
+    a.group._lock = _CloseOnFirstEnter(a.group)  # type: ignore[assignment]
     ticket = a.group.send(PUSH, b"x" * 1000)
     assert a.group.closed
     assert ticket.done.wait(0.5), "the ticket of a send that raced close() never completes"
@@ -901,7 +897,7 @@ def test_retiring_a_group_while_another_thread_starts_it(links: Links) -> None:
 def test_a_peer_that_stops_reading_never_blocks_the_sender(links: Links, monkeypatch: pytest.MonkeyPatch) -> None:
     # The raw end reads nothing: once its window and our buffers are full, the control sender
     # thread waits; `send` itself returns at once, and past the queue bound the group closes.
-    monkeypatch.setattr(transport, "MAX_QUEUED_CONTROL_FRAMES", 500)
+    monkeypatch.setattr(control, "MAX_QUEUED_CONTROL_FRAMES", 500)
     raw, side = links.raw_peer(1, heartbeat_s=30.0, peer_timeout_s=60.0)
     for s in raw:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -922,3 +918,47 @@ def test_close_with_a_last_message_sends_it_after_what_was_queued(links: Links) 
     assert b.get()[0] == Pull(1, 1, 0, 0)
     assert b.get()[0] == Error(ErrorCode.DUPLICATE, "learner 0 is held")
     assert a.closed_with() == "refused"
+
+
+def test_a_control_frame_that_stops_moving_fails_the_group_after_its_write_timeout(links: Links) -> None:
+    # heartbeat_s 0.4: a control write may make no progress for 0.2 s. The raw end reads nothing.
+    raw, side = links.raw_peer(1, heartbeat_s=0.4, peer_timeout_s=60.0)
+    for s in raw:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    started = time.monotonic()
+    for _ in range(300):  # far more than both ends' socket buffers hold
+        side.group.send(Error(ErrorCode.REFUSED, "x" * 60_000))
+    assert side.closed_with() == "send failed on control stream: timed out"
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_stalled_last_message_closes_with_the_reason_it_was_sent_for(links: Links) -> None:
+    raw, side = links.raw_peer(1, heartbeat_s=0.4, peer_timeout_s=60.0)
+    for s in raw:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    for _ in range(300):  # far more than both ends' socket buffers hold
+        side.group.send(Error(ErrorCode.REFUSED, "x" * 60_000))
+    side.group.close("refused: learner 3 is held", last=Error(ErrorCode.DUPLICATE, "held"))
+    assert side.closed_with() in ("refused: learner 3 is held", "send failed on control stream: timed out")
+
+
+def test_a_protocol_error_on_a_data_stream_reaches_the_peer_after_the_frames_queued_before_it(links: Links) -> None:
+    raw, side = links.raw_peer(1)
+    side.group.send(Pull(5, 0, 1, 2))
+    raw[1].sendall(_chunk_frame(1, 4, 0, b"12345678"))  # does not tile: a protocol error on data0
+    stream = Stream(raw[0], "raw")
+    frames = []
+    while not frames or not isinstance(frames[-1], Error):
+        msg = stream.read_message()
+        if not isinstance(msg, Heartbeat):
+            frames.append(msg)
+    assert frames[0] == Pull(5, 0, 1, 2)
+    assert frames[-1].code is ErrorCode.PROTOCOL and "does not tile" in frames[-1].reason
+    assert "does not tile" in side.closed_with()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_group_runs_one_control_thread_and_a_reader_and_sender_per_data_stream(links: Links, n: int) -> None:
+    a, _ = links.pair(n)
+    names = sorted(t.name for t in a.group._threads)
+    assert names == sorted(["a-ctl", *[f"a-rx{i}" for i in range(n)], *[f"a-tx{i}" for i in range(n)]])

@@ -10,11 +10,15 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+import torch
+from learner_harness import FakeClock, MemoryLink
 
 from syncer.core.handshake import HandshakeRefused, check_hello
 from yeto_core.codecs import F32
 from yeto_core.layout import TensorSpec, build_layout
-from yeto_core.sections import LinkSettings
+from yeto_core.learner import LearnerSession
+from yeto_core.sections import DEFAULT_SYNC_INTERVAL, LinkSettings, Schedule
+from yeto_core.settings import LearnerSettings
 from yeto_core.wire import auth
 from yeto_core.wire.connection import (
     ATTACH_TABLE,
@@ -67,6 +71,7 @@ SPECS = (TensorSpec("embed.weight", (32, 8), "float32", embedding=True),
          *(TensorSpec(f"layers.{i}.w", (8, 8), "float32") for i in range(6)))
 LAYOUT = build_layout(SPECS, 4)
 LINK = LinkSettings(("syncer", 7070), KEY, 3, data_streams=2)
+H = 24  # the syncer's sync interval
 
 
 class FakeSyncer:
@@ -90,15 +95,18 @@ class FakeSyncer:
         self.pending[token] = hello.learner_id
         return generation, token, False
 
-    def accept(self, nonce: bytes = NONCE, check: Callable[[Hello, bytes], None] | None = None) -> SyncerHandshake:
-        return SyncerHandshake(self.key, 4, "binpack", check=check or self.check, welcome=self.welcome,
-                               pending=self.pending.get, deadline=DEADLINE, nonce=lambda: nonce)
+    def accept(self, nonce: bytes = NONCE, check: Callable[[Hello, bytes], None] | None = None, *,
+               sync_interval: int = H) -> SyncerHandshake:
+        return SyncerHandshake(self.key, Schedule(4, "binpack", sync_interval), check=check or self.check,
+                               welcome=self.welcome, pending=self.pending.get, deadline=DEADLINE,
+                               nonce=lambda: nonce)
 
 
 def learner(learner_id: int = 3, *, key: bytes = KEY, sends_init: bool = False) -> LearnerHandshake:
     link = dataclasses.replace(LINK, key=key, learner_id=learner_id)
     return LearnerHandshake(link, F32, sends_init=sends_init, instance=INSTANCE, deadline=DEADLINE,
-                            layout_for=lambda p, pattern: build_layout(SPECS, p, pattern), nonce=lambda: CLIENT_NONCE)
+                            layout_for=lambda s: build_layout(SPECS, s.num_fragments, s.pattern),
+                            nonce=lambda: CLIENT_NONCE)
 
 
 def pipe(a: Handshake, b: Handshake, *, bytewise: bool = False) -> tuple[list[Event], list[Event]]:
@@ -118,7 +126,7 @@ def pipe(a: Handshake, b: Handshake, *, bytewise: bool = False) -> tuple[list[Ev
 
 def test_the_bytes_are_the_protocols() -> None:
     theirs, ours = FakeSyncer().accept(), learner(0, sends_init=True)
-    challenge = encode_frame(Challenge(NONCE, 4, "binpack"))
+    challenge = encode_frame(Challenge(NONCE, 4, "binpack", H))
     assert theirs.data_to_send() == challenge
     ours.receive_data(challenge)
     flags = HELLO_SENDS_MANIFEST | HELLO_CONSENSUS | HELLO_OVERLAP
@@ -173,7 +181,7 @@ def test_an_attach_for_no_pending_group_or_signed_with_another_key_is_refused() 
     syncer, ours = FakeSyncer(), learner()
     pipe(ours, syncer.accept())
     stranger = LearnerHandshake(LinkSettings(("syncer", 7070), b"another key", 3), F32, sends_init=False,
-                                instance=INSTANCE, layout_for=lambda p, pattern: LAYOUT, deadline=DEADLINE)
+                                instance=INSTANCE, layout_for=lambda s: LAYOUT, deadline=DEADLINE)
     assert ours.welcome is not None
     stranger.welcome = ours.welcome  # it learned the token by watching the wire
     _, got = pipe(stranger.attach(0), theirs := syncer.accept())
@@ -208,7 +216,7 @@ def test_a_welcome_whose_mac_does_not_verify_is_an_auth_refusal() -> None:
 def test_an_error_from_the_syncer_surfaces_as_a_refusal_with_its_code(when: str) -> None:
     ours = learner()
     if when == "instead of WELCOME":
-        ours.receive_data(encode_frame(Challenge(NONCE, 4, "binpack")))
+        ours.receive_data(encode_frame(Challenge(NONCE, 4, "binpack", H)))
         assert ours.state is HandshakeState.AWAIT_WELCOME and ours.data_to_send()
     assert ours.receive_data(encode_frame(Error(ErrorCode.DUPLICATE, "learner 3 is held"))) == [
         Refusal(ErrorCode.DUPLICATE, "learner 3 is held")]
@@ -264,7 +272,7 @@ def test_the_first_frame_at_the_syncer_is_bounded_before_its_body() -> None:
 def test_the_machine_wants_no_byte_past_the_frame_and_keeps_what_follows() -> None:
     ours = learner()
     assert ours.bytes_wanted() == HEADER.size
-    frame = encode_frame(Challenge(NONCE, 4, "binpack"))
+    frame = encode_frame(Challenge(NONCE, 4, "binpack", H))
     ours.receive_data(frame[: HEADER.size])
     assert ours.bytes_wanted() == len(frame) - HEADER.size
     ours.receive_data(frame[HEADER.size :])
@@ -304,3 +312,71 @@ def test_every_transition_in_the_tables_leads_somewhere_the_role_knows() -> None
             assert state not in {HandshakeState.WELCOMED, HandshakeState.JOINED, HandshakeState.ATTACHED,
                                  HandshakeState.PROBING, HandshakeState.REFUSED}, (state, kind)
             assert targets and kind is not MsgType.CHUNK
+
+
+# -- the schedule: H and P are the syncer's ---------------------------------------------------------
+
+
+def session(sync_interval: int | None = None) -> LearnerSession:
+    """A learner session over tensors of SPECS' shapes, whose `_layout_for` a handshake asks as the
+    link does on every CHALLENGE."""
+    config = LearnerSettings(syncer="syncer:7070", key="k" * 32, learner_id=3, sync_interval=sync_interval)
+    tensors = [(spec.name, torch.zeros(spec.shape)) for spec in SPECS]
+    return LearnerSession(config, tensors, embedding_names={"embed.weight"}, link=MemoryLink(FakeClock()))
+
+
+def dialing(s: LearnerSession) -> LearnerHandshake:
+    return LearnerHandshake(LINK, F32, sends_init=False, instance=INSTANCE, layout_for=s._layout_for,
+                            deadline=DEADLINE, nonce=lambda: CLIENT_NONCE)
+
+
+def test_a_learner_that_sets_no_h_takes_the_syncers() -> None:
+    s = session()
+    ours = dialing(s)
+    learned, _ = pipe(ours, FakeSyncer().accept(sync_interval=48))
+    assert isinstance(learned[-1], Welcomed) and ours.schedule == Schedule(4, "binpack", 48)
+    assert (s.sync_interval, s.boundary_every) == (48, 12)  # a boundary every H/P steps, P = 4 the syncer's too
+
+
+def test_a_learner_whose_h_is_the_syncers_joins() -> None:
+    s = session(48)
+    learned, _ = pipe(dialing(s), FakeSyncer().accept(sync_interval=48))
+    assert isinstance(learned[-1], Welcomed) and s.sync_interval == 48
+
+
+def test_a_learner_whose_h_disagrees_is_refused_for_good_with_both_values() -> None:
+    s = session(12)
+    ours, theirs = dialing(s), FakeSyncer().accept(sync_interval=24)
+    with pytest.raises(Refused) as refused:
+        pipe(ours, theirs)
+    assert refused.value.code is ErrorCode.CONTRACT and refused.value.code.permanent  # the link dials no more
+    assert refused.value.reason == ("YETO_DILOCO_SYNC_INTERVAL=12, but the syncer runs H=24 (--sync-interval-steps); "
+                                    "unset it to take the syncer's")
+    assert ours.hello is None and s.layout is None and s.sync_interval == 12  # no HELLO went out
+
+
+@pytest.mark.parametrize(("own", "followed"), [(None, DEFAULT_SYNC_INTERVAL), (12, 12)], ids=["default", "own"])
+def test_under_a_syncer_that_does_not_pace_by_steps_a_learner_keeps_its_own_h(own: int | None, followed: int) -> None:
+    s = session(own)
+    learned, _ = pipe(dialing(s), FakeSyncer().accept(sync_interval=0))
+    assert isinstance(learned[-1], Welcomed) and s.sync_interval == followed
+
+
+def test_a_learner_takes_the_h_of_a_syncer_restarted_with_another() -> None:
+    s = session()
+    pipe(dialing(s), FakeSyncer().accept(sync_interval=48))
+    learned, _ = pipe(dialing(s), FakeSyncer().accept(sync_interval=8))  # the redial
+    assert isinstance(learned[-1], Welcomed) and (s.sync_interval, s.boundary_every) == (8, 2)
+
+
+def test_a_version_1_peer_is_refused_naming_both_versions() -> None:
+    def as_version_1(frame: bytes) -> bytes:
+        return frame[:4] + bytes([1]) + frame[5:]
+
+    said = rf"^protocol version 1 is not supported \(this side speaks {PROTOCOL_VERSION}\)$"
+    with pytest.raises(ProtocolError, match=said):  # a version-1 syncer's CHALLENGE
+        learner().receive_data(as_version_1(encode_frame(Challenge(NONCE, 4, "binpack", H))))
+    hello = hello_for(LINK, LAYOUT, F32, sends_init=False, instance=INSTANCE, challenge_nonce=NONCE,
+                      client_nonce=CLIENT_NONCE)
+    with pytest.raises(ProtocolError, match=said):  # a version-1 learner's HELLO
+        FakeSyncer().accept().receive_data(as_version_1(encode_frame(hello)))

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from yeto_core.layout import Layout, build_layout
-from yeto_core.sections import LinkSettings
+from yeto_core.sections import LinkSettings, Schedule
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ErrorCode, ProtocolError, Refused
+from yeto_core.wire.framing import FrameReader
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
-    HEADER,
     HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
     HELLO_OVERLAP,
@@ -45,7 +45,6 @@ from yeto_core.wire.messages import (
     Welcome,
     decode_body,
     encode_frame,
-    parse_header,
 )
 
 if TYPE_CHECKING:
@@ -111,8 +110,9 @@ SYNCER_TABLE: Table = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Challenged:
-    """Learner: the syncer's CHALLENGE came, and `layout` is what its fragment count and pattern
-    make of the model; the HELLO answering it (with the layout's fingerprint) is in `data_to_send`."""
+    """Learner: the syncer's CHALLENGE came, and `layout` is what its schedule (fragment count and
+    pattern) makes of the model; the HELLO answering it (with the layout's fingerprint) is in
+    `data_to_send`."""
 
     layout: Layout
 
@@ -174,8 +174,7 @@ class Handshake(abc.ABC):
     def __init__(self, state: HandshakeState, deadline: float) -> None:
         self.state = state
         self._deadline = deadline
-        self._inbox = bytearray()
-        self._head: tuple[MsgType, int] | None = None  # the header of the frame in hand, once checked
+        self._frames = FrameReader()
         self._outbox = bytearray()
 
     @property
@@ -196,42 +195,31 @@ class Handshake(abc.ABC):
     @property
     def trailing_data(self) -> bytes:
         """Bytes received after the frame that ended the handshake: the connection group's."""
-        return bytes(self._inbox) if self.finished else b""
+        return self._frames.rest() if self.finished else b""
 
     def bytes_wanted(self) -> int:
         """How many more bytes complete the header or frame in hand (0 once the handshake ended)."""
-        if self.finished:
-            return 0
-        if self._head is None:
-            return HEADER.size - len(self._inbox)
-        return HEADER.size + self._head[1] - len(self._inbox)
+        return 0 if self.finished else self._frames.bytes_wanted()
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
-        self._inbox += data
+        self._frames.feed(data)
         events: list[Event] = []
         while not self.finished:
-            if self._head is None:
-                if len(self._inbox) < HEADER.size:
-                    break
-                kind, length = parse_header(bytes(self._inbox[: HEADER.size]), self._max_body())
-                if (self.state, kind) not in self.TABLE:
-                    accepted = " or ".join(k.name for s, k in self.TABLE if s is self.state)
-                    raise OutOfTurn(f"{self.ROLE} handshake in state {self.state.name}: expected {accepted}, "
-                                    f"got {kind.name}")
-                self._head = kind, length
-            kind, length = self._head
-            end = HEADER.size + length
-            if len(self._inbox) < end:
+            frame = self._frames.next_frame(max_body=self._max_body(), accept=self._in_turn)
+            if frame is None:
                 break
-            body = bytes(self._inbox[HEADER.size : end])
-            del self._inbox[:end]
-            self._head = None
+            kind, body = frame
             allowed = self.TABLE[(self.state, kind)]
             state, new = self._handle(decode_body(kind, body))
             assert state in allowed, f"{self.ROLE}: {self.state.name} --{kind.name}--> {state.name} is not in the table"
             self.state = state
             events += new
         return events
+
+    def _in_turn(self, kind: MsgType) -> None:
+        if (self.state, kind) not in self.TABLE:
+            accepted = " or ".join(k.name for s, k in self.TABLE if s is self.state)
+            raise OutOfTurn(f"{self.ROLE} handshake in state {self.state.name}: expected {accepted}, got {kind.name}")
 
     def _max_body(self) -> int:
         return MAX_CONTROL_BODY
@@ -251,12 +239,13 @@ class LearnerHandshake(Handshake):
     ROLE = "learner"
 
     def __init__(self, link: LinkSettings, codec: Codec, *, sends_init: bool, instance: bytes,
-                 layout_for: Callable[[int, str], Layout], deadline: float,
+                 layout_for: Callable[[Schedule], Layout], deadline: float,
                  nonce: Callable[[], bytes] = auth.new_nonce) -> None:
         super().__init__(S.AWAIT_CHALLENGE, deadline)
         self._link, self._codec, self._sends_init, self._instance = link, codec, sends_init, instance
         self._layout_for, self._nonce = layout_for, nonce
-        self.layout: Layout | None = None  # built for the CHALLENGE's fragment count and pattern
+        self.schedule: Schedule | None = None  # what the CHALLENGE announced
+        self.layout: Layout | None = None  # built for the schedule (it may refuse it: `Refused`)
         self.hello: Hello | None = None
         self.welcome: Welcome | None = None
 
@@ -270,7 +259,8 @@ class LearnerHandshake(Handshake):
         if isinstance(msg, Error):
             return S.REFUSED, [Refusal(msg.code, msg.reason)]
         if isinstance(msg, Challenge):
-            self.layout = self._layout_for(msg.num_fragments, msg.pattern)
+            self.schedule = Schedule(msg.num_fragments, msg.pattern, msg.sync_interval)
+            self.layout = self._layout_for(self.schedule)
             self.hello = hello_for(self._link, self.layout, self._codec, sends_init=self._sends_init,
                                    instance=self._instance, challenge_nonce=msg.nonce, client_nonce=self._nonce())
             self._send(self.hello)
@@ -310,23 +300,25 @@ class SyncerHandshake(Handshake):
 
     `check(hello, nonce)` is the admission rule and raises `Refused` to turn the learner away;
     `welcome(hello)` opens its pending group and returns (generation, token, initial_cut_ready);
-    `pending(token)` names the learner whose pending group `token` is, or None.
+    `pending(token)` names the learner whose pending group `token` is, or None. The CHALLENGE
+    announces the syncer's `schedule`: P, the pattern and H (0: the syncer does not pace rounds
+    by learner steps, and each learner keeps its own H).
     """
 
     TABLE = SYNCER_TABLE
     ROLE = "syncer"
 
-    def __init__(self, key: bytes, num_fragments: int, pattern: str, *, check: Callable[[Hello, bytes], None],
+    def __init__(self, key: bytes, schedule: Schedule, *, check: Callable[[Hello, bytes], None],
                  welcome: Callable[[Hello], tuple[int, bytes, bool]], pending: Callable[[bytes], int | None],
                  deadline: float, nonce: Callable[[], bytes] = auth.new_nonce) -> None:
         super().__init__(S.CHALLENGED, deadline)
-        self._key, self._num_fragments, self._pattern = key, num_fragments, pattern
+        self._key, self._num_fragments, self._pattern = key, schedule.num_fragments, schedule.pattern
         self._check, self._welcome, self._pending = check, welcome, pending
         self.nonce = nonce()
         self.hello: Hello | None = None
         self.token: bytes | None = None  # of the group WELCOME opened
         self._generation = 0
-        self._send(Challenge(self.nonce, num_fragments, pattern))
+        self._send(Challenge(self.nonce, schedule.num_fragments, schedule.pattern, schedule.sync_interval))
 
     def reject(self, code: ErrorCode, reason: str) -> Refusal:
         """Refuse the peer: its ERROR goes to `data_to_send`, and the handshake ends. The machine

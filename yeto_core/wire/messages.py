@@ -24,7 +24,7 @@ from yeto_core.wire.codec import BodyReader, BodyWriter
 from yeto_core.wire.errors import ErrorCode, ProtocolError
 
 MAGIC = b"YETO"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<4sBBHI")
 CHUNK_HEADER = struct.Struct("<QQQ")  # transfer id, total bytes, offset of this chunk
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -78,20 +78,24 @@ def _bulk_fields(w: BodyWriter, transfer: int, nbytes: int, codec: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Challenge(Message):
-    """Syncer → new stream, first frame: a fresh nonce and the layout parameters to use."""
+    """Syncer → new stream, first frame: a fresh nonce and the schedule the learners follow, the
+    syncer's alone: P, the fragment pattern, and H (`sync_interval`, learner steps per fragment
+    round trip; 0: the syncer does not pace rounds by steps)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CHALLENGE
     nonce: bytes
     num_fragments: int
     pattern: str
+    sync_interval: int
 
     def encode(self) -> bytes:
-        return BodyWriter().fixed(self.nonce, NONCE_BYTES).u32(self.num_fragments).string(self.pattern).getvalue()
+        w = BodyWriter().fixed(self.nonce, NONCE_BYTES).u32(self.num_fragments).string(self.pattern)
+        return w.u32(self.sync_interval).getvalue()
 
     @classmethod
     def decode(cls, body: bytes | memoryview) -> Challenge:
         r = BodyReader(body, "CHALLENGE")
-        msg = cls(r.fixed(NONCE_BYTES, "nonce"), r.u32("num_fragments"), r.string("pattern"))
+        msg = cls(r.fixed(NONCE_BYTES, "nonce"), r.u32("num_fragments"), r.string("pattern"), r.u32("sync_interval"))
         r.end()
         return msg
 

@@ -2,20 +2,23 @@
 
 A bulk message arrives as one announcement on the control stream and CHUNK frames of at most
 4 MiB on the data streams, in whichever order. Each chunk is read with `recv_into` straight into
-one buffer per transfer (its size checked against the bound first; taken from a pool of recycled
-buffers, `buffers.py`), and the message is delivered when the announcement and every byte are in.
+one buffer per transfer (its size checked against the bound first; `take` hands it out: in a
+process, from the pool of recycled buffers, `yeto_core/buffers.py`), and the message is
+delivered when the announcement and every byte are in.
 An optional *screen* checks each chunk on its reader thread right after it lands, while the bytes
 are still in cache; chunks that arrived before their announcement are screened at delivery, so
 every byte is screened once whatever the order.
+
+Several reader threads of one group call it at once; the shell that runs them passes a `lock`
+(nothing here knows of threads), held only while the transfer table changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable
 
-from yeto_core.wire.buffers import RECEIVE_POOL, BufferPool, receive_buffer
 from yeto_core.wire.errors import ProtocolError
 from yeto_core.wire.messages import CHUNK_BYTES, Message
 
@@ -41,15 +44,15 @@ class Reassembler:
     """Collects announced bulk transfers and their chunks into one buffer each."""
 
     def __init__(self, max_payload: Callable[[], int], deliver: Callable[[Message, memoryview, bool | None], None],
-                 peer: str, chunk_bytes: int = CHUNK_BYTES, pool: BufferPool | None = RECEIVE_POOL,
-                 screen: Screen | None = None) -> None:
+                 peer: str, chunk_bytes: int = CHUNK_BYTES, take: Callable[[int], memoryview] | None = None,
+                 screen: Screen | None = None, lock: contextlib.AbstractContextManager[object] | None = None) -> None:
         self.chunk_bytes = chunk_bytes
-        self.pool = pool
+        self._take = take or (lambda n: memoryview(bytearray(n)))
         self.max_payload = max_payload  # evaluated per transfer: the bound can tighten once a layout is known
         self.screen = screen
         self._deliver = deliver  # (msg, payload, passed): passed is None when the screen skips msg
         self._peer = peer
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self._transfers: dict[int, _Incoming] = {}
 
     def _check_bound(self, total: int) -> None:
@@ -63,7 +66,7 @@ class Reassembler:
             self._check_bound(total)
             if len(self._transfers) >= MAX_TRANSFERS_IN_FLIGHT:
                 raise ProtocolError(f"{self._peer}: more than {MAX_TRANSFERS_IN_FLIGHT} transfers in flight")
-            inc = _Incoming(self.pool.take(total) if self.pool is not None else receive_buffer(total))
+            inc = _Incoming(self._take(total))
             self._transfers[transfer] = inc
         elif len(inc.buffer) != total:
             announced = len(inc.buffer)

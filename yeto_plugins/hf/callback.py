@@ -31,6 +31,7 @@ from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.builder import build_island
+from yeto_plugins.exits import island_exit
 from yeto_plugins.hf.consensus import consensus_logs
 
 
@@ -64,7 +65,8 @@ class YetoDiLoCo(TrainerCallback):
         on_final = "training stops and the Trainer saves it" if args.save_strategy != "no" else "training stops"
         # DDP, FSDP2 or ZeRO (world_size > 1): the island is every process of the Trainer
         self.island = build_island(self.settings, model, collective=args.world_size > 1, on_final=on_final)
-        self.island.start(first_step=state.global_step)
+        with island_exit():  # a link too slow to join ends the process with code 75 and one line
+            self.island.start(first_step=state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:

@@ -28,6 +28,7 @@ from yeto_core.island import IslandSession, IslandStats
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
+from yeto_plugins.exits import island_exit
 from yeto_plugins.megatron.names import EMBEDDING
 from yeto_plugins.megatron.probe import megatron_logit_probe
 from yeto_plugins.megatron.store import IslandStore
@@ -68,8 +69,10 @@ class MegatronDiLoCoSync:
 
     # -- the collective calls (`IslandSession`) ----------------------------------------------------
     def start(self) -> None:
-        """Connect (rank 0) and install the initial cut on every rank."""
-        self.island.start()
+        """Connect (rank 0) and install the initial cut on every rank. A link too slow to join ends
+        the process with code 75 and one line (`yeto_plugins.exits`)."""
+        with island_exit():
+            self.island.start()
 
     def step(self, tokens: int, *, last: bool = False) -> bool:
         """Account one optimizer step of `tokens` (the island's tokens, rank 0's value counts);

@@ -44,6 +44,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from yeto_core.island import IslandSession
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
 from yeto_plugins.builder import build_island
+from yeto_plugins.exits import island_exit
 
 log = logging.getLogger("yeto.verl")
 
@@ -149,7 +150,8 @@ class YetoTrainingWorker(TrainingWorker):
         if total is None or total <= 0:
             log.warning("yeto: verl set no total_training_steps: the island gets the final cut only when the syncer "
                         "ends the run")
-        island.start()
+        with island_exit():  # a link too slow to join ends the actor with code 75 and one line
+            island.start()
         return island
 
     def _hold_weights(self) -> None:
