@@ -43,7 +43,7 @@ What is timed (all stamps are `time.time()` on one machine, taken in two process
 * **push_to_commit** (tape only, needs no probe) = push bytes / (commit record's `t` − submit):
   what the product's own event tape shows. It includes the merge (`merge_ms`) and the commit's
   bookkeeping, so it is a lower bound of ingest, printed as a cross-check.
-* **init_ingest** = model bytes / (tape `init` record − the client entering `_send_init`, right
+* **init_ingest** = model bytes / (tape `init` record − the client asking for the INIT values, right
   after the handshake). The syncer writes that record right after the last fragment was copied
   into its state (no checkpoint is configured, so nothing is written in between). It includes
   the syncer allocating its parameter and momentum state when learner 0 joins, which overlaps
@@ -351,18 +351,20 @@ class Learner:
         link = LinkSettings(address=("127.0.0.1", port), key=key, learner_id=learner_id, data_streams=streams)
         client = SyncerClient(link, sends_init=learner_id == 0)
         self.init = init
-        orig_send_init, orig_send_push = client._send_init, client._send_push
+        pusher = client._pusher
+        orig_ask_init, orig_send_push = client._init.ask, pusher._send
         self.encode_span: dict[int, tuple[float, float]] = {}
         self._encode_round = -1
         from yeto_core.codecs import F32
 
         if client.codec is not F32:  # an f32 push is sent from the delta itself: no encode to stamp, and a
             client.codec = _StampedCodec(client.codec, self)  # wrapper would make the client copy it
+            pusher._encoder.codec = client.codec
 
-        def send_init(group: Any, lay: Any) -> None:
+        def ask_init(*args: Any, **kwargs: Any) -> Any:  # the upload starts as its values are asked for
             if self.init_started is None:
                 self.init_started = time.time()
-            orig_send_init(group, lay)
+            return orig_ask_init(*args, **kwargs)
 
         def send_push(job: Any) -> None:
             self._encode_round = job.pull.round
@@ -371,8 +373,8 @@ class Learner:
             self.sent_at[job.pull.round] = time.time()
             self.encode_span.setdefault(job.pull.round, (started, started))  # f32: nothing encoded
 
-        client._send_init = send_init  # type: ignore[method-assign,assignment]
-        client._send_push = send_push  # type: ignore[method-assign]
+        client._init.ask = ask_init  # type: ignore[method-assign]
+        pusher._send = send_push  # type: ignore[method-assign]
         self.client = client
         self.bcast_versions: dict[int, int] = {}
         self.bcast_at: dict[tuple[int, int], float] = {}  # (fragment, version) -> when it was taken off the inbox

@@ -215,7 +215,9 @@ def island_rss(model_bytes: int, args: argparse.Namespace, workdir: Path, key_fi
     """A real `LearnerSession` in its own process for two rounds and the final cut: its extra peak RSS."""
     import subprocess
 
-    syncer = ProbedSyncer(workdir, key_file, args.fragments, "cpu", learners=1)
+    # The island's H is P (a boundary every step): the syncer announces it, and the island takes it.
+    syncer = ProbedSyncer(workdir, key_file, args.fragments, "cpu", learners=1,
+                          extra_args=("--sync-interval-steps", str(args.fragments)))
     out_path = workdir / "island.json"
     log = open(workdir / "island.log", "wb")  # noqa: SIM115 - closed below
     try:

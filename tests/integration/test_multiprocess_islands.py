@@ -79,7 +79,8 @@ def test_an_fsdp2_island_reads_and_writes_exactly_and_matches_one_process(procs:
     finals = {}
     for world in (2, 1):
         syncer = start_syncer(procs, key_file=key_file, learners=1, quorum=1, fragments=3, total_rounds=9,
-                              tape_name=f"tape{world}.jsonl", checkpoint_name=f"final{world}.safetensors")
+                              tape_name=f"tape{world}.jsonl", checkpoint_name=f"final{world}.safetensors",
+                              extra=["--sync-interval-steps", "6"])  # the worker's H
         env = learner_env(syncer, key_file, 0, collective_timeout_s=60)
         ranks = run_ranks(FSDP_WORKER, world, args=["train"], env=env, timeout_s=150)
         assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
