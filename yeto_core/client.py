@@ -203,10 +203,12 @@ class SyncerClient:
             group.set_user_timeout(self.link.stall_timeout_s)
         with self._group_lock:
             self._group = group
+        # Connected goes into the inbox before the group's first message can: a PULL read ahead of it
+        # would be taken for one of the old connection's, and an older attempt, and ignored.
+        self.inbox.put(Connected(welcome.generation, welcome.initial_cut_ready))
         group.start()
         log.info("learner %d connected to syncer %s:%d (generation %d)", self.learner_id, *self.address,
                  welcome.generation)
-        self.inbox.put(Connected(welcome.generation, welcome.initial_cut_ready))
         if self._sends_init and not welcome.initial_cut_ready and (
                 values := self._init.ask(self.inbox.put, reseed=self.initial_cut_received.is_set(),
                                          stop=self._stop)) is not None:
