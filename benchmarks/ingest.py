@@ -355,9 +355,8 @@ class Learner:
         orig_ask_init, orig_send_push = client._init.ask, pusher._send
         self.encode_span: dict[int, tuple[float, float]] = {}
         self._encode_round = -1
-        from yeto_core.codecs import F32
 
-        if client.codec is not F32:  # an f32 push is sent from the delta itself: no encode to stamp, and a
+        if client.codec.name != "f32":  # an f32 push is sent from the delta itself: no encode to stamp, and a
             client.codec = _StampedCodec(client.codec, self)  # wrapper would make the client copy it
             pusher._encoder.codec = client.codec
 
