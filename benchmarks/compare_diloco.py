@@ -141,12 +141,13 @@ def baselines(arm: Arm, arms: dict[str, Arm]) -> tuple[str | None, str | None]:
 def effective(arm: Arm) -> tuple[Any, ...]:
     """What an arm actually runs: its settings minus those equal to the shipped defaults."""
     from syncer.service.cli import build_parser
+    from yeto_core.flat import flat_fields
     from yeto_core.settings import LearnerSettings, SyncerSettings
 
     flags = vars(build_parser().parse_args(arm.syncer))
-    fields = SyncerSettings.model_fields
-    syncer = sorted((k, v) for k, v in flags.items() if v is not None and k in fields and v != fields[k].default)
-    learner = sorted((k, v) for k, v in arm.learner.items() if v != LearnerSettings.model_fields[k].default)
+    fields, learner_fields = flat_fields(SyncerSettings), flat_fields(LearnerSettings)
+    syncer = sorted((k, v) for k, v in flags.items() if v is not None and k in fields and v != fields[k].info.default)
+    learner = sorted((k, v) for k, v in arm.learner.items() if v != learner_fields[k].info.default)
     shape = (arm.cell, arm.unpaced, arm.slow, arm.lockstep_threads, arm.shards, arm.fleet_budget, arm.fleet_share)
     return arm.kind, arm.learners, arm.lora, shape, tuple(syncer), tuple(learner)
 
@@ -338,9 +339,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             pair.split("=", 1) for pair in args.learner_settings.split(",") if pair.strip())}
     except ValueError:
         p.error(f"--learner-settings {args.learner_settings!r}: want NAME=VALUE,... with JSON values")
+    from yeto_core.flat import flat_fields
     from yeto_core.settings import LearnerSettings
 
-    unknown_settings = sorted(set(args.learner_extra) - set(LearnerSettings.model_fields))
+    unknown_settings = sorted(set(args.learner_extra) - set(flat_fields(LearnerSettings)))
     if unknown_settings:
         p.error(f"--learner-settings: unknown learner settings {unknown_settings}")
     if args.baselines is not None and not args.baselines.is_file():

@@ -343,13 +343,13 @@ class Learner:
 
     def __init__(self, port: int, key: bytes, layout: Any, init: list[Any], streams: int, learner_id: int = 0) -> None:
         from yeto_core.client import SyncerClient
-        from yeto_core.sections import LinkSettings
+        from yeto_core.sections import Endpoint, LinkSettings
 
         self.layout = layout
         self.init_started: float | None = None
         self.sent_at: dict[int, float] = {}
-        link = LinkSettings(address=("127.0.0.1", port), key=key, learner_id=learner_id, data_streams=streams)
-        client = SyncerClient(link, sends_init=learner_id == 0)
+        client = SyncerClient(Endpoint(("127.0.0.1", port), key, learner_id), LinkSettings(data_streams=streams),
+                              sends_init=learner_id == 0)
         self.init = init
         pusher = client._pusher
         orig_ask_init, orig_send_push = client._init.ask, pusher._send

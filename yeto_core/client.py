@@ -30,7 +30,7 @@ from yeto_core.link import Connected, Inbound, LayoutFor, Lost, PushJob, Receive
 from yeto_core.net.dial import dial
 from yeto_core.net.group import ConnectionGroup
 from yeto_core.probe import ProbeResult, measure_link
-from yeto_core.sections import LinkSettings
+from yeto_core.sections import Endpoint, LinkSettings
 from yeto_core.uplink import InitRequest, PushSender, upload_init
 from yeto_core.wire.connection import LearnerHandshake
 from yeto_core.wire.errors import ConnectionClosed, ProtocolError, Refused
@@ -47,13 +47,14 @@ MAX_DOWNLINK_MARGIN = 1 << 20
 
 
 class SyncerClient:
-    def __init__(self, link: LinkSettings, *, codec: Codec = F32, sends_init: bool = False,
+    def __init__(self, me: Endpoint, link: LinkSettings, *, codec: Codec = F32, sends_init: bool = False,
                  faults: FaultInjector = NO_FAULTS) -> None:
-        """`sends_init`: this is learner 0, which describes the model and uploads the initial
-        values to a syncer that has none."""
+        """`me`: who this learner is, where its syncer is and the key; `sends_init`: this is learner
+        0, which describes the model and uploads the initial values to a syncer that has none."""
+        self.me = me
         self.link = link
-        self.address = link.address
-        self.learner_id = link.learner_id
+        self.address = me.address
+        self.learner_id = me.learner_id
         self.bcast_delta = link.bcast_delta
         # Who this process is, the same on every redial: the syncer tells a redial of the id's
         # holder from a second process started with the same id.
@@ -73,10 +74,10 @@ class SyncerClient:
         self._group_lock = threading.Lock()
         self._stop = threading.Event()
         self._pusher = PushSender(codec, group=self._live_group, post=self.inbox.put, stop=self._stop, faults=faults,
-                                  learner_id=link.learner_id)
+                                  learner_id=me.learner_id)
         self._threads = [
-            threading.Thread(target=self._run, name=f"yeto-learner{link.learner_id}-link", daemon=True),
-            threading.Thread(target=self._pusher.run, name=f"yeto-learner{link.learner_id}-push", daemon=True),
+            threading.Thread(target=self._run, name=f"yeto-learner{me.learner_id}-link", daemon=True),
+            threading.Thread(target=self._pusher.run, name=f"yeto-learner{me.learner_id}-push", daemon=True),
         ]
         # The syncer of the current group sent CONSENSUS, so it speaks PROBE_REPORT too (an older
         # syncer would close the group on a frame type it does not know).
@@ -98,7 +99,7 @@ class SyncerClient:
         self._init.answer(values)
 
     def measure(self, nbytes: int) -> ProbeResult:
-        return measure_link(self.address, self.link.key, up_bytes=nbytes, down_bytes=nbytes)
+        return measure_link(self.address, self.me.key, up_bytes=nbytes, down_bytes=nbytes)
 
     @property
     def connected(self) -> bool:
@@ -185,7 +186,7 @@ class SyncerClient:
     def _dial(self) -> ConnectionGroup:
         assert self._layout_for is not None, "SyncerClient.start() gives the layout"
         deadline = time.monotonic() + self.link.connect_timeout_s  # of the whole dial, every stream
-        hs = LearnerHandshake(self.link, self.codec, sends_init=self._sends_init, instance=self.instance,
+        hs = LearnerHandshake(self.me, self.link, self.codec, sends_init=self._sends_init, instance=self.instance,
                               layout_for=self._layout_for, deadline=deadline)
         welcome, control, data = dial(self.address, hs, data_streams=self.link.data_streams, deadline=deadline,
                                       name=f"learner{self.learner_id}")

@@ -98,7 +98,7 @@ class LearnerSession:
         self._say = say
         self.link: Link = link if link is not None else self._syncer_client()
         self.sync = FragmentSync(learner_id=settings.learner_id, store=self.store, codec=self.codec,
-                                 stats=self.stats, overlap=settings.overlap, merge_alpha=settings.merge_alpha,
+                                 stats=self.stats, overlap=settings.link.overlap, merge_alpha=settings.merge_alpha,
                                  submit=lambda job: self.link.submit(job), say=say)
         self._init_snapshot: list[torch.Tensor] | None = None  # learner 0: INIT values before the first cut
         # DONE is owed once per connection, counted here: a restarted syncer numbers its
@@ -114,7 +114,8 @@ class LearnerSession:
         from yeto_core.client import SyncerClient  # the socket layer, only when no link is given
 
         s = self.settings
-        return SyncerClient(s.link, codec=self.codec, sends_init=s.learner_id == 0, faults=s.fault_injector())
+        return SyncerClient(s.endpoint(), s.link, codec=self.codec, sends_init=s.learner_id == 0,
+                            faults=s.fault_injector())
 
     # -- what a driver may look at -------------------------------------------------------------
     @property
@@ -440,7 +441,7 @@ class LearnerSession:
 
     def _sweep(self) -> bool:
         s = self.settings
-        wait = s.rl_mode == "sweep" or (s.rl_mode == "stream" and not s.overlap)
+        wait = s.link.rl_mode == "sweep" or (s.link.rl_mode == "stream" and not s.link.overlap)
         if self.stats.final_installed:
             return True
         if stop_if_refused(s, self.link.refused) or self.layout is None:

@@ -1,17 +1,29 @@
-"""The settings, grouped by the component that uses them.
+"""The settings, grouped by the component that takes them: one pydantic model a section.
 
-`LearnerSettings` and `SyncerSettings` stay flat, because each field is one environment variable
-(`YETO_DILOCO_*`, `YETO_SYNCER_*`) or flag that users set. Components do not take the whole
-settings object nor a dozen loose arguments copied out of it: each takes its section, built
-by a property of the settings (`settings.link`, `.consensus`, `.island`, `.merging`), so what a
-component depends on is written once, in its signature. Each default is written once too, here:
-the settings' fields take theirs from these classes.
+`LearnerSettings` and `SyncerSettings` (yeto_core/settings.py) are made of these sections (the
+learner's `link`, `consensus` and `island`, the syncer's `streams` and `merging`) beside their
+own top-level fields. Each setting is written once, here, with its default, its bounds and its
+description; a component takes its section whole, so what it depends on is written once too, in
+its signature. Users still set each one by a single flat name (`YETO_DILOCO_HEARTBEAT_S`,
+`--outer-lr`): the field's name, or its `validation_alias` where the component calls it otherwise
+(`stall_timeout_s` is set as `WAN_STALL_TIMEOUT_S`); yeto_core/flat.py maps the names.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+# Upper bounds of every duration and count: far past any real run, yet small enough that no timer
+# overflows (`threading` and `select` take at most ~2^31 ms; TCP_USER_TIMEOUT is an int of ms) and
+# nothing is allocated in proportion to an absurd value.
+HOUR_S = 3600.0
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+MAX_STEPS = 1_000_000  # an interval in learner steps (H), or an every-N count of rounds
 
 DEFAULT_SYNC_INTERVAL = 24  # H in learner steps: the syncer's, and a learner's under a syncer that does not pace
 
@@ -28,39 +40,90 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class LinkSettings:
-    """A learner's connection to the syncer: where, who, and its deadlines."""
+class Endpoint:
+    """Who a learner is, where its syncer is and the key that proves it: what the settings resolve
+    to (the address parsed, the key read once), not a section users set."""
 
     address: tuple[str, int]
-    key: bytes  # the shared HMAC key, read from KEY or KEY_FILE
+    key: bytes
     learner_id: int
-    data_streams: int = 2
-    connect_timeout_s: float = 10.0
-    heartbeat_s: float = 2.0
-    peer_timeout_s: float = 30.0
-    reconnect_max_s: float = 30.0
-    stall_timeout_s: float = 0.0  # 0: off
-    bcast_delta: bool = False  # take broadcasts as bf16 deltas
-    overlap: bool = True  # rebases on its merged pushes (told to the syncer in HELLO)
-    stream_schedule: Literal["rr", "adaptive"] = "rr"  # chunk-to-stream striping
-    rl_mode: Literal["stream", "sweep", "overlap"] = "stream"  # how it pushes (sweeps are told to the syncer in HELLO)
 
 
-@dataclass(frozen=True)
-class ConsensusSettings:
+class Section(BaseModel):
+    """A group of settings one component takes whole; built by field name, or by the flat names
+    users set when it is part of the settings."""
+
+    # allow_inf_nan: "inf" parses as a float, and an infinite timeout overflows the socket layer.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, validate_by_name=True,
+                              validate_by_alias=True)
+
+
+class StreamSettings(Section):
+    """The rules of a live connection group, the same on both ends: heartbeats, silence, stalls and
+    how chunks are striped over the data streams."""
+
+    heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control stream")
+    peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
+    stall_timeout_s: float = Field(default=0.0, ge=0, le=DAY_S, validation_alias="wan_stall_timeout_s",
+                                   description="seconds without progress on a stream that fail its connection "
+                                   "group; also the streams' TCP_USER_TIMEOUT once the initial cut is in (0: off)")
+    stream_schedule: Literal["rr", "adaptive"] = Field(default="rr", validation_alias="wan_stream_schedule",
+                                                       description="stripe chunks round-robin (rr) or to the data "
+                                                       "stream with the earliest estimated finish (adaptive)")
+
+
+DEFAULT_STREAMS = StreamSettings()
+
+
+class LinkSettings(StreamSettings):
+    """A learner's connection to the syncer: its streams, its deadlines, and what it tells the
+    syncer in HELLO of how it takes merges."""
+
+    data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
+    connect_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of one dial + handshake")
+    reconnect_max_s: float = Field(default=30.0, gt=0, le=HOUR_S, description="cap of the redial backoff")
+    bcast_delta: bool = Field(default=False, description="take broadcasts as bf16 deltas against a shared anchor")
+    overlap: bool = Field(default=True, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
+                          "instead of blending with merge_alpha")
+    rl_mode: Literal["stream", "sweep", "overlap"] = Field(
+        default="stream",
+        description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer steps; sweep: "
+        "every fragment at the end of each RL iteration, the merges installed before the rollout gets "
+        "weights; overlap: every fragment at the end of each iteration, training on at once and rebasing at the next")
+
+    @field_validator("rl_mode")
+    @classmethod
+    def _rl_mode(cls, v: str, info: ValidationInfo) -> str:
+        if v == "overlap" and info.data.get("overlap") is False:
+            raise ValueError("overlap trains on while its pushes merge, so it installs by rebasing: it cannot be "
+                             "combined with YETO_DILOCO_OVERLAP=false")
+        return v
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether boundaries come once per RL iteration, every fragment at once (`sweep()`)."""
+        return self.rl_mode != "stream"
+
+
+class ConsensusSettings(Section):
     """The learner's consensus probe: how often, and how much of it is reported."""
 
-    every: int = 4  # installs between probes; 0: no probe
-    top_k: int = 64
-    tokens: int = 64
+    every: int = Field(default=4, ge=0, le=MAX_STEPS, validation_alias="consensus_every",
+                       description="evaluate the probe batch after every N installs of merged fragments and "
+                       "report it to the syncer (0: no consensus signal)")
+    top_k: int = Field(default=64, ge=1, le=1024, validation_alias="consensus_top_k",
+                       description="probabilities per probe token reported: the top k (the rest as one tail)")
+    tokens: int = Field(default=64, ge=1, le=512, validation_alias="consensus_tokens",
+                        description="tokens in the fixed probe batch")
 
 
-@dataclass(frozen=True)
-class IslandSettings:
+class IslandSettings(Section):
     """How the ranks of a multi-rank island work together."""
 
-    collective_timeout_s: float = 300.0  # deadline of one wait on the other ranks
-    gather_chunk_mib: int = 64  # MiB of a fragment moved between ranks at a time
+    collective_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S,
+                                        description="multi-rank islands: deadline of one wait on the other ranks")
+    gather_chunk_mib: int = Field(default=64, ge=1, le=1 << 16,
+                                  description="multi-rank islands: MiB of a fragment moved between ranks at a time")
 
     @property
     def heartbeat_s(self) -> float:
@@ -71,18 +134,44 @@ class IslandSettings:
 DEFAULT_ISLAND = IslandSettings()
 
 
-@dataclass(frozen=True)
-class MergeSettings:
-    """How the syncer merges a round: the merge of the deltas and the outer step."""
+class MergeSettings(Section):
+    """How the syncer merges a round: the merge of the deltas, the outer step, and where it runs."""
 
-    merge: Literal["rda", "iso", "average"] = "rda"
-    delta_correction: Literal["heloco", "none"] = "none"
-    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = "nesterov"
+    merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of every tensor: "
+                                                    "radial-directional averaging (rda), rda with each 2-D matrix's "
+                                                    "merged update but the embedding's given a flat spectrum (iso: "
+                                                    "its singular values replaced by their mean), or the plain "
+                                                    "weighted average")
+    delta_correction: Literal["heloco", "none"] = Field(default="none", description="correct stale deltas that "
+                                                        "oppose the outer momentum (HeLoCo) or not; HeLoCo "
+                                                        "measured no better in compare_diloco")
+    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
     # Measured by benchmarks/compare_diloco.py (README "Does it learn?"): DiLoCo's stock 0.7/0.9
     # over-drives the strongly correlated deltas of a few dozen inner steps; with the momentum warmed
     # up, 0.7/0.5 (a steady step of 1.4 merged deltas) beats 0.5/0.5 in 6 of the 8 M = 2 cells.
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.5
-    outer_momentum_warmup: int = 4  # outer steps over which a fragment's μ rises from 0
-    outer_delay: int = 4
-    merge_threads: int = 1
+    outer_lr: float = Field(default=0.7, gt=0, le=100, description="Nesterov outer learning rate")
+    outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
+    outer_momentum_warmup: int = Field(default=4, ge=0, le=MAX_STEPS, description="outer steps over which each "
+                                       "fragment's outer momentum rises linearly from 0 to --outer-momentum "
+                                       "(0: the full momentum from the first step)")
+    outer_delay: int = Field(default=4, ge=1, le=MAX_STEPS, description="N of delayed Nesterov: momentum moves "
+                             "every N steps")
+    merge_threads: int = Field(default=1, ge=1, le=256, description="CPU merge threads (bit-identical results)")
+    iso_worker_devices: str = Field(default="", description="with --merge iso: one SVD worker process per listed "
+                                    "device, e.g. cpu,cpu or cuda:0,cuda:1 (none: the SVDs run in the syncer); "
+                                    "deadlines from YETO_ISO_WORKER_*")
+
+    @field_validator("iso_worker_devices")
+    @classmethod
+    def _iso_devices(cls, v: str, info: ValidationInfo) -> str:
+        devices = [d.strip() for d in v.split(",") if d.strip()]
+        for d in devices:
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+                raise ValueError(f"{d!r} is not a device (cpu, cuda or cuda:N)")
+        if devices and info.data.get("merge") != "iso":
+            raise ValueError(f"iso workers need --merge iso (merge is {info.data.get('merge')})")
+        return ",".join(devices)
+
+    @property
+    def iso_devices(self) -> list[str]:
+        return [d for d in self.iso_worker_devices.split(",") if d]

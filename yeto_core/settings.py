@@ -1,8 +1,10 @@
 """Settings, read once at the edge (plugin constructor, syncer `main()`) and passed down typed.
 
 Learner settings come from `YETO_DILOCO_*`, syncer settings from `YETO_SYNCER_*`. Explicit
-arguments (keyword arguments, command-line flags) always win over the environment. A bad value
-fails at start-up with one message that names the variable and what it accepts.
+arguments (keyword arguments, command-line flags) always win over the environment. Both are made
+of the sections their components take (yeto_core/sections.py), yet every setting keeps one flat
+name (yeto_core/flat.py). A bad value fails at start-up with one message that names the variable,
+flag or argument and what it accepts.
 """
 
 from __future__ import annotations
@@ -19,28 +21,29 @@ from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationErro
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yeto_core import faults
+from yeto_core.flat import FlatSettings, flat_fields, flat_of
 from yeto_core.sections import (
+    DAY_S,
     DEFAULT_SYNC_INTERVAL,
+    HOUR_S,
+    MAX_STEPS,
+    WEEK_S,
     ConsensusSettings,
+    Endpoint,
     IslandSettings,
     LinkSettings,
     MergeSettings,
     Schedule,
+    StreamSettings,
 )
 
 log = logging.getLogger("yeto.settings")
 
 MIN_KEY_BYTES = 16
 MAX_SECRET_FILE_BYTES = 4096  # a key or token file larger than this is a mistake (or /dev/zero)
-# Upper bounds of every duration and count: far past any real run, yet small enough that no timer
-# overflows (`threading` and `select` take at most ~2^31 ms; TCP_USER_TIMEOUT is an int of ms) and
-# nothing is allocated in proportion to an absurd value.
-HOUR_S = 3600.0
-DAY_S = 86400.0
-WEEK_S = 7 * DAY_S
+# More upper bounds, beside the durations' and MAX_STEPS (yeto_core/sections.py).
 MAX_FRAGMENTS = 4096
 MAX_LEARNERS = 4096
-MAX_STEPS = 1_000_000  # an interval in learner steps (H), or an every-N count of rounds
 MAX_ROUNDS = 2**31 - 1
 MAX_MBPS = 1e9  # 1 Pb/s: a probe floor above any link there is
 # The end of a run, one rule for both sides (DESIGN §4.7): a learner waits for the final cut longer
@@ -153,10 +156,10 @@ def check_fault(value: str) -> str:
     return value
 
 
-class LearnerSettings(BaseSettings):
-    """One island's DiLoCo learner (`YETO_DILOCO_*`)."""
+class LearnerSettings(FlatSettings):
+    """One island's DiLoCo learner (`YETO_DILOCO_*`): its own settings, and the sections its parts
+    take (`link`, `consensus`, `island`), each set by flat names (`YETO_DILOCO_HEARTBEAT_S`)."""
 
-    # allow_inf_nan: "inf" parses as a float, and an infinite timeout overflows the socket layer.
     model_config = SettingsConfigDict(env_prefix="YETO_DILOCO_", extra="forbid", frozen=True, allow_inf_nan=False,
                                       validate_by_name=True)  # `fault=` beside its variables' names
 
@@ -173,24 +176,9 @@ class LearnerSettings(BaseSettings):
     wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
         default="f32", description="dtype of pushed deltas (the block-quantized ones use push_block)")
     push_block: int = Field(default=128, ge=1, le=1 << 20, description="values per scale of quantized pushes")
-    data_streams: int = Field(default=LinkSettings.data_streams, ge=1, le=64, description="parallel TCP data streams")
-    connect_timeout_s: float = Field(default=LinkSettings.connect_timeout_s, gt=0, le=HOUR_S,
-                                     description="deadline of one dial + handshake")
     init_timeout_s: float = Field(default=600.0, ge=0, le=WEEK_S, description="wait for the initial cut at start")
     final_timeout_s: float = Field(default=FINAL_WAIT_S, ge=0, le=WEEK_S, description="wait for the final cut at "
                                    "the end: at least 2 × (the syncer's --rejoin-wait-s + 30 s + --final-timeout-s)")
-    heartbeat_s: float = Field(default=LinkSettings.heartbeat_s, gt=0, le=HOUR_S,
-                               description="heartbeat period on the control stream")
-    peer_timeout_s: float = Field(default=LinkSettings.peer_timeout_s, gt=0, le=DAY_S,
-                                  description="silence after which a link is dead")
-    reconnect_max_s: float = Field(default=LinkSettings.reconnect_max_s, gt=0, le=HOUR_S,
-                                   description="cap of the redial backoff")
-    wan_stall_timeout_s: float = Field(default=LinkSettings.stall_timeout_s, ge=0, le=DAY_S,
-                                       description="fail a link whose bytes stop moving (0: off)")
-    bcast_delta: bool = Field(default=LinkSettings.bcast_delta,
-                              description="take broadcasts as bf16 deltas against a shared anchor")
-    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default=LinkSettings.stream_schedule,
-                                                           description="chunk-to-stream striping")
     wan_probe_min_mbps: float = Field(default=0.0, ge=0, le=MAX_MBPS,
                                       description="exit 75 below this upload rate (0: no probe)")
     wan_probe_min_down_mbps: float = Field(default=0.0, ge=0, le=MAX_MBPS,
@@ -207,13 +195,6 @@ class LearnerSettings(BaseSettings):
     tuning: Literal["auto", "lora", "full"] = Field(
         default="auto", description="lora: sync only LoRA adapter tensors; full: every trainable tensor; "
                                     "auto: lora when the model carries adapters")
-    gather_chunk_mib: int = Field(default=IslandSettings.gather_chunk_mib, ge=1, le=1 << 16,
-                                  description="multi-rank islands: MiB of a fragment moved between ranks at a time")
-    collective_timeout_s: float = Field(default=IslandSettings.collective_timeout_s, gt=0, le=DAY_S,
-                                        description="multi-rank islands: deadline of one wait on the other ranks")
-    overlap: bool = Field(default=LinkSettings.overlap,
-                          description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
-                          "instead of blending with merge_alpha")
     blocking: str = Field(default="", description="Mix2: fragments waited for at their boundary: comma-separated "
                                                   "'embedding', 'head', 'layers:N' (the first N layers) or indices")
     blocking_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S, description="longest wait for a blocking fragment")
@@ -230,19 +211,10 @@ class LearnerSettings(BaseSettings):
                                      "the install of its round's merge (capped at H/P); set to the mean round trip "
                                      "an unpaced run measures, it reproduces that run's staleness step for step")
     auto_attach: bool = Field(default=False, description="attach the trainer callback without naming it")
-    rl_mode: Literal["stream", "sweep", "overlap"] = Field(
-        default=LinkSettings.rl_mode,
-        description="RL trainers (verl, Miles): stream: a fragment boundary every H/P optimizer steps; sweep: "
-        "every fragment at the end of each RL iteration, the merges installed before the rollout gets "
-        "weights; overlap: every fragment at the end of each iteration, training on at once and rebasing at the next")
-    consensus_every: int = Field(default=ConsensusSettings.every, ge=0, le=MAX_STEPS,
-                                 description="evaluate the probe batch after every N installs of "
-                                 "merged fragments and report it to the syncer (0: no consensus signal)")
-    consensus_top_k: int = Field(default=ConsensusSettings.top_k, ge=1, le=1024,
-                                 description="probabilities per probe token reported: the top k (the rest as one tail)")
-    consensus_tokens: int = Field(default=ConsensusSettings.tokens, ge=1, le=512,
-                                  description="tokens in the fixed probe batch")
     fault: str = fault_field("YETO_DILOCO_")
+    link: LinkSettings = LinkSettings()
+    consensus: ConsensusSettings = ConsensusSettings()
+    island: IslandSettings = IslandSettings()
 
     _fault = field_validator("fault")(check_fault)
     _key: bytes | None = PrivateAttr(default=None)  # the key as first read (`read_key`)
@@ -255,19 +227,6 @@ class LearnerSettings(BaseSettings):
         parse_blocking(v)
         return v
 
-    @field_validator("rl_mode")
-    @classmethod
-    def _rl_mode(cls, v: str, info: ValidationInfo) -> str:
-        if v == "overlap" and info.data.get("overlap") is False:
-            raise ValueError("overlap trains on while its pushes merge, so it installs by rebasing: it cannot be "
-                             "combined with YETO_DILOCO_OVERLAP=false")
-        return v
-
-    @property
-    def sweeps(self) -> bool:
-        """Whether boundaries come once per RL iteration, every fragment at once (`sweep()`)."""
-        return self.rl_mode != "stream"
-
     @field_validator("syncer")
     @classmethod
     def _address(cls, v: str) -> str:
@@ -276,6 +235,11 @@ class LearnerSettings(BaseSettings):
                              "give the one HOST:PORT of the syncer")
         parse_address(v)
         return v
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether boundaries come once per RL iteration, every fragment at once (`sweep()`)."""
+        return self.link.sweeps
 
     @property
     def address(self) -> tuple[str, int]:
@@ -288,23 +252,9 @@ class LearnerSettings(BaseSettings):
             self._key = read_key(self.key, self.key_file, prefix="YETO_DILOCO_")
         return self._key
 
-    @property
-    def link(self) -> LinkSettings:
-        """The connection to the syncer (reads the key)."""
-        return LinkSettings(
-            address=self.address, key=self.read_key(), learner_id=self.learner_id, data_streams=self.data_streams,
-            connect_timeout_s=self.connect_timeout_s, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
-            reconnect_max_s=self.reconnect_max_s, stall_timeout_s=self.wan_stall_timeout_s,
-            bcast_delta=self.bcast_delta, overlap=self.overlap, stream_schedule=self.wan_stream_schedule,
-            rl_mode=self.rl_mode)
-
-    @property
-    def consensus(self) -> ConsensusSettings:
-        return ConsensusSettings(every=self.consensus_every, top_k=self.consensus_top_k, tokens=self.consensus_tokens)
-
-    @property
-    def island(self) -> IslandSettings:
-        return IslandSettings(collective_timeout_s=self.collective_timeout_s, gather_chunk_mib=self.gather_chunk_mib)
+    def endpoint(self) -> Endpoint:
+        """Who this learner is and where its syncer is, with the key (read once)."""
+        return Endpoint(self.address, self.read_key(), self.learner_id)
 
     def fault_injector(self) -> faults.FaultInjector:
         """This process's fault injector, to build once and pass to whatever holds a point."""
@@ -318,8 +268,9 @@ def default_quorum(learners: int) -> int:
     return learners - learners // 4
 
 
-class SyncerSettings(BaseSettings):
-    """The syncer service (`YETO_SYNCER_*`; command-line flags win)."""
+class SyncerSettings(FlatSettings):
+    """The syncer service (`YETO_SYNCER_*`; command-line flags win): its own settings, and the sections
+    its parts take (`streams`, `merging`), each set by flat names (`--outer-lr`)."""
 
     model_config = SettingsConfigDict(env_prefix="YETO_SYNCER_", extra="forbid", frozen=True, allow_inf_nan=False,
                                       validate_by_name=True)  # `fault=` beside its variables' names
@@ -357,32 +308,6 @@ class SyncerSettings(BaseSettings):
     key: SecretStr | None = Field(default=None, description="shared HMAC key (or use key_file)")
     key_file: Path | None = Field(default=None, description="file holding the shared HMAC key (or YETO_SYNCER_KEY)")
     device: str = Field(default="auto", description="merge device: auto (cuda when present) | cpu | cuda | cuda:N")
-    # The merge's defaults are MergeSettings' (yeto_core/sections.py), where they are measured.
-    outer_lr: float = Field(default=MergeSettings.outer_lr, gt=0, le=100, description="Nesterov outer learning rate")
-    outer_momentum: float = Field(default=MergeSettings.outer_momentum, ge=0, lt=1,
-                                  description="Nesterov outer momentum")
-    outer_momentum_warmup: int = Field(default=MergeSettings.outer_momentum_warmup, ge=0, le=MAX_STEPS,
-                                       description="outer steps over which each "
-                                       "fragment's outer momentum rises linearly from 0 to --outer-momentum "
-                                       "(0: the full momentum from the first step)")
-    outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default=MergeSettings.outer_optimizer,
-                                                                     description="outer optimizer")
-    outer_delay: int = Field(default=MergeSettings.outer_delay, ge=1, le=MAX_STEPS,
-                             description="N of delayed Nesterov: momentum moves every N steps")
-    merge: Literal["rda", "iso", "average"] = Field(default=MergeSettings.merge, description="merge of every tensor: "
-                                                    "radial-directional averaging (rda), rda with each 2-D matrix's "
-                                                    "merged update but the embedding's given a flat spectrum (iso: "
-                                                    "its singular values replaced by their mean), or the plain "
-                                                    "weighted average")
-    delta_correction: Literal["heloco", "none"] = Field(default=MergeSettings.delta_correction,
-                                                        description="correct stale deltas that "
-                                                        "oppose the outer momentum (HeLoCo) or not; HeLoCo "
-                                                        "measured no better in compare_diloco")
-    merge_threads: int = Field(default=MergeSettings.merge_threads, ge=1, le=256,
-                               description="CPU merge threads (bit-identical results)")
-    iso_worker_devices: str = Field(default="", description="with --merge iso: one SVD worker process per listed "
-                                    "device, e.g. cpu,cpu or cuda:0,cuda:1 (none: the SVDs run in the syncer); "
-                                    "deadlines from YETO_ISO_WORKER_*")
     decode_threads: int = Field(default=2, ge=1, le=64, description="threads decoding pushes beside the coordinator")
     round_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S, description="a round below quorum retries after this")
     pipeline: int = Field(default=2, ge=1, le=MAX_FRAGMENTS,
@@ -410,27 +335,17 @@ class SyncerSettings(BaseSettings):
     rejoin_wait_s: float = Field(default=REJOIN_WAIT_S, ge=0, le=DAY_S, description="once every connected learner has "
                                  "finished, wait this long after one left while training (a crash, a cut link) "
                                  "for it to come back before finalizing without it (0: do not wait)")
-    heartbeat_s: float = Field(default=LinkSettings.heartbeat_s, gt=0, le=HOUR_S,
-                               description="heartbeat period on the control streams")
-    peer_timeout_s: float = Field(default=LinkSettings.peer_timeout_s, gt=0, le=DAY_S,
-                                  description="silence after which a link is dead")
     handshake_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of a whole handshake, "
                                        "from accept until the key is proven")
     max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once; at the "
                                 "cap the oldest (open over 2 s) or the newcomer is closed (0: 64, or a quarter of "
                                 "the descriptor limit when lower)")
-    wan_stall_timeout_s: float = Field(default=LinkSettings.stall_timeout_s, ge=0, le=DAY_S,
-                                       description="seconds without progress on a stream that "
-                                       "fail its connection group; also TCP_USER_TIMEOUT after the initial cut "
-                                       "(0: off)")
     bcast_delta_full_every: int = Field(default=8, ge=1, le=MAX_STEPS,
                                         description="for learners taking bf16 delta broadcasts: "
                                         "send the full fragment every N versions")
-    wan_stream_schedule: Literal["rr", "adaptive"] = Field(default=LinkSettings.stream_schedule,
-                                                           description="stripe chunks round-robin "
-                                                           "(rr) or to the data stream with the earliest estimated "
-                                                           "finish (adaptive)")
     fault: str = fault_field("YETO_SYNCER_")
+    streams: StreamSettings = StreamSettings()
+    merging: MergeSettings = MergeSettings()
     _key: bytes | None = PrivateAttr(default=None)  # the key as first read (`read_key`)
 
     # Former names, still read from the environment and from keyword arguments (flags), with
@@ -458,21 +373,6 @@ class SyncerSettings(BaseSettings):
             raise ValueError("expected auto, cpu, cuda or cuda:N")
         return v.strip()
 
-    @field_validator("iso_worker_devices")
-    @classmethod
-    def _iso_devices(cls, v: str, info: ValidationInfo) -> str:
-        devices = [d.strip() for d in v.split(",") if d.strip()]
-        for d in devices:
-            if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
-                raise ValueError(f"{d!r} is not a device (cpu, cuda or cuda:N)")
-        if devices and info.data.get("merge") != "iso":
-            raise ValueError(f"iso workers need --merge iso (merge is {info.data.get('merge')})")
-        return ",".join(devices)
-
-    @property
-    def iso_devices(self) -> list[str]:
-        return [d for d in self.iso_worker_devices.split(",") if d]
-
     @property
     def effective_quorum(self) -> int:
         return self.quorum or default_quorum(self.learners)
@@ -489,14 +389,6 @@ class SyncerSettings(BaseSettings):
     def schedule(self) -> Schedule:
         """What this syncer's CHALLENGE announces: P, the pattern and H."""
         return Schedule(self.fragments, self.pattern, self.sync_interval_steps)
-
-    @property
-    def merging(self) -> MergeSettings:
-        return MergeSettings(merge=self.merge, delta_correction=self.delta_correction,
-                             outer_optimizer=self.outer_optimizer, outer_lr=self.outer_lr,
-                             outer_momentum=self.outer_momentum,
-                             outer_momentum_warmup=self.outer_momentum_warmup, outer_delay=self.outer_delay,
-                             merge_threads=self.merge_threads)
 
     def fault_injector(self) -> faults.FaultInjector:
         """This process's fault injector, to build once and pass to whatever holds a point."""
@@ -530,7 +422,7 @@ def unknown_variables(cls: type[BaseSettings]) -> list[str]:
     prefix = str(cls.model_config.get("env_prefix", ""))
     if not prefix:
         return []
-    known = [f"{prefix}{name.upper()}" for name in cls.model_fields]
+    known = [f"{prefix}{name.upper()}" for name in flat_fields(cls)]
     former = [f"{prefix}{name.upper()}" for name in renamed_settings(cls)]  # read, with a warning
     lines = []
     for var in sorted(os.environ):
@@ -636,13 +528,13 @@ def load_settings(cls: type[S], *, flags: bool = False, **explicit: Any) -> S:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"])
+            field = flat_of(cls, err["loc"])
             value = err.get("input")
             if field in quoted:
                 name, value = quoted[field]
             elif field in given:
                 name = setting_name(field, flags=flags)
-            elif field not in cls.model_fields:  # an alias: already the variable's whole name
+            elif field not in flat_fields(cls):  # an alias: already the variable's whole name
                 name = field
             else:
                 name = f"{prefix}{field.upper()}"

@@ -34,7 +34,7 @@ def build_island(settings: LearnerSettings, model: torch.nn.Module | Sequence[to
     assert isinstance(model, torch.nn.Module), "a torch island is one module"
     named = synced_parameters(model, settings.tuning)
     embedding = embedding_names(model)
-    probe = logit_probe(model, settings.consensus_tokens) if settings.consensus_every else None
+    probe = logit_probe(model, settings.consensus.tokens) if settings.consensus.every else None
     if collective:  # rank 0 talks to the syncer; the others follow its reads and writes
         store = ProcessGroupStore(named, embedding, settings.island)
         return IslandSession(settings, store=store, probe=probe, on_final=on_final)

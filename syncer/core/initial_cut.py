@@ -125,5 +125,5 @@ class InitialCut:
         run.emit(Log(f"initial cut ready: broadcasting {run.state.num_fragments} fragments to {len(run.links)} "
                      "learners"))
         for link in list(run.links.values()):
-            run.emit(StallTimeout(link.peer, run.settings.wan_stall_timeout_s))
+            run.emit(StallTimeout(link.peer, run.settings.streams.stall_timeout_s))
             self.outbox.send_full_state(link)

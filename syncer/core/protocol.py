@@ -127,7 +127,7 @@ class SyncerProtocol:
         self._merging: int | None = None  # the round whose merge the shell is performing
         # With iso workers the heavy half of each merge runs ahead (`effects.Prepare`): the SVDs of
         # rounds on different fragments overlap in the pool while commits stay in round order.
-        self._prepares = bool(settings.iso_devices)
+        self._prepares = bool(settings.merging.iso_devices)
         self._preparing: set[int] = set()  # attempts whose Prepare is out
         self._prepared: set[int] = set()  # attempts whose Prepare is done
         self._finale_wait = ""  # why the run waits to finalize, as last logged
@@ -277,7 +277,7 @@ class SyncerProtocol:
         if run.phase is Phase.RUNNING:
             assert run.state is not None
             add_members(run.state, [ev.learner_id])  # a resumed syncer waits for it too
-            run.emit(StallTimeout(link.peer, self.settings.wan_stall_timeout_s))
+            run.emit(StallTimeout(link.peer, self.settings.streams.stall_timeout_s))
             self.outbox.send_full_state(link)
             if link.consensus and run.consensus is not None:
                 run.emit(Send(link.peer, run.consensus.message(run.state.next_round)))  # it may report probes now

@@ -33,6 +33,7 @@ from syncer.service.server import SyncerServer
 from syncer.service.traffic import FanOut
 from syncer.web.status import StatusBoard
 from syncer.web.web import serve
+from yeto_core.flat import flat_fields
 from yeto_core.settings import IsoWorkerSettings, SettingsError, SyncerSettings, load_settings
 from yeto_core.web_server import read_token
 
@@ -83,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per syncer setting, derived from its field, so the help cannot drift from the defaults."""
     p = argparse.ArgumentParser(prog="python -m syncer", description="yeto syncer: merges the islands' "
                                 "fragment updates with quorum rounds, RDA and a Nesterov outer step.")
-    for setting, field in SyncerSettings.model_fields.items():
+    for setting, field in flat_fields(SyncerSettings).items():
         if setting not in NOT_FLAGS:
-            add_setting_flag(p, setting, field)
+            add_setting_flag(p, setting, field.info)
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                    help="logging level (default INFO)")
     former = p.add_argument_group("deprecated flags (each read as its new setting, with a warning)")
@@ -177,7 +178,7 @@ def run_shape(settings: SyncerSettings, device: torch.device) -> dict[str, objec
     """The run's shape, as the status page heads it."""
     return {"learners": settings.learners, "quorum": settings.effective_quorum, "fragments": settings.fragments,
             "pattern": settings.pattern, "pipeline": settings.pipeline, "total_rounds": settings.total_rounds,
-            "merge": settings.merge, "device": str(device)}
+            "merge": settings.merging.merge, "device": str(device)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +201,7 @@ def run_syncer(argv: list[str] | None, run_lock: RunLock) -> int:
         if settings.metrics_token_file is not None:
             web_token = read_token(settings.metrics_token_file, given_as(args, "metrics_token_file"))
         device = resolve_device(settings.device, given_as(args, "device"))
-        for worker_device in settings.iso_devices:
+        for worker_device in settings.merging.iso_devices:
             resolve_device(worker_device, given_as(args, "iso_worker_devices"))
         check_listen("cannot listen on", settings.host, settings.port, given_as(args, "host"), given_as(args, "port"))
         if settings.metrics_port is not None:
@@ -210,14 +211,14 @@ def run_syncer(argv: list[str] | None, run_lock: RunLock) -> int:
             if path is not None:  # before anything reads or writes it: one syncer per path
                 run_lock.acquire(given_as(args, setting), path)
         state = load_state(settings, device)
-        iso_settings = load_settings(IsoWorkerSettings) if settings.iso_devices else None
+        iso_settings = load_settings(IsoWorkerSettings) if settings.merging.iso_devices else None
     except (SettingsError, CheckpointError, RunLockError) as exc:
         print(f"yeto syncer: {exc}", file=sys.stderr)
         return 2
     pool = None
     if iso_settings is not None:
         try:
-            pool = IsoPool(settings.iso_devices, iso_settings, fault=settings.fault)
+            pool = IsoPool(settings.merging.iso_devices, iso_settings, fault=settings.fault)
         except IsoPoolError as exc:
             print(f"yeto syncer: {exc}", file=sys.stderr)
             return ISO_EXIT_CODE
@@ -248,9 +249,7 @@ def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state:
             schedule_problem=functools.partial(sweep_problem, fragments=settings.fragments, pipeline=settings.pipeline,
                                                sync_interval_steps=settings.sync_interval_steps),
             handshake_timeout_s=settings.handshake_timeout_s,
-            max_handshakes=settings.max_handshakes or default_cap(), heartbeat_s=settings.heartbeat_s,
-            peer_timeout_s=settings.peer_timeout_s, stall_timeout_s=settings.wan_stall_timeout_s,
-            schedule=settings.wan_stream_schedule,
+            max_handshakes=settings.max_handshakes or default_cap(), streams=settings.streams,
             generations=last_generations(state.ledger) if state is not None else None,
             screen=payload_screen, faults=faults, on_refused=metrics.handshake_refused,
         )

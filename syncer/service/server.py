@@ -31,7 +31,7 @@ from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.net.group import ConnectionGroup
 from yeto_core.net.stream import Stream, tune_socket
 from yeto_core.probe import check_probe, serve_probe
-from yeto_core.sections import Schedule
+from yeto_core.sections import DEFAULT_STREAMS, Schedule, StreamSettings
 from yeto_core.wire.connection import Admitted, Attached, OutOfTurn, ProbeRequested, Refusal, SyncerHandshake
 from yeto_core.wire.errors import ErrorCode, Refused
 from yeto_core.wire.messages import BwProbe, Error, Hello
@@ -49,8 +49,7 @@ class SyncerServer:
         initial_cut_ready: Callable[[], bool],
         id_conflict: Callable[[int, bytes], str | None] = lambda learner_id, instance: None,
         schedule_problem: Callable[[int], str | None] = lambda flags: None,
-        handshake_timeout_s: float = 10.0, max_handshakes: int = 64, heartbeat_s: float = 2.0,
-        peer_timeout_s: float = 30.0, stall_timeout_s: float = 0.0, schedule: str = "rr",
+        handshake_timeout_s: float = 10.0, max_handshakes: int = 64, streams: StreamSettings = DEFAULT_STREAMS,
         generations: dict[int, int] | None = None, screen: Screen | None = None, faults: FaultInjector = NO_FAULTS,
         on_refused: Callable[[str], None] = lambda reason: None,
     ) -> None:
@@ -60,9 +59,10 @@ class SyncerServer:
         self._admission = Admission(key, pinned_fingerprint=pinned_fingerprint, schedule_problem=schedule_problem,
                                     id_conflict=id_conflict)
         # Every group's settings but its streams and callbacks (`screen`: `payload.payload_screen`).
-        self._new_group = functools.partial(ConnectionGroup, screen=screen, heartbeat_s=heartbeat_s,
-                                            peer_timeout_s=peer_timeout_s, stall_timeout_s=stall_timeout_s,
-                                            schedule=schedule, faults=faults)
+        self._new_group = functools.partial(ConnectionGroup, screen=screen, heartbeat_s=streams.heartbeat_s,
+                                            peer_timeout_s=streams.peer_timeout_s,
+                                            stall_timeout_s=streams.stall_timeout_s,
+                                            schedule=streams.stream_schedule, faults=faults)
         self._pending: PendingGroups[Stream] = PendingGroups(handshake_timeout_s, generations)
         self._probes = ProbeSlots()
         self._gate = HandshakeGate(max_handshakes, handshake_timeout_s)

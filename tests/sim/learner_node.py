@@ -47,6 +47,7 @@ class SimLink:
                  codec: Codec, syncer: Callable[[], SyncerNode | None], process: int) -> None:
         self.sim, self.latency, self.rng = sim, latency, rng
         self.settings = settings
+        self.me = settings.endpoint()
         self.link = settings.link
         self.codec = codec
         self._syncer = syncer
@@ -154,8 +155,8 @@ class SimLink:
             return
         assert self._layout_for is not None
         deadline = self.sim.now + self.link.connect_timeout_s  # of the whole dial
-        hs = LearnerHandshake(self.link, self.codec, sends_init=self.link.learner_id == 0, instance=self.instance,
-                              layout_for=self._layout_for, deadline=deadline,
+        hs = LearnerHandshake(self.me, self.link, self.codec, sends_init=self.me.learner_id == 0,
+                              instance=self.instance, layout_for=self._layout_for, deadline=deadline,
                               nonce=lambda: self.rng.randbytes(NONCE_BYTES))
         conn = self.dialing = node.accept(self)
         conn.bytes_to_learner = lambda data: self._handshake(conn, hs, node, data)
@@ -196,7 +197,7 @@ class SimLink:
         self.conn = conn
         self.generations.append((node.incarnation, welcome.generation))
         self.inbox.append(Connected(welcome.generation, welcome.initial_cut_ready))
-        if self.link.learner_id == 0 and not welcome.initial_cut_ready:
+        if self.me.learner_id == 0 and not welcome.initial_cut_ready:
             self._init_asked_on = conn
             self.inbox.append(InitWanted(self.initial_cut_received))
         conn.deliver("down", self._receive)

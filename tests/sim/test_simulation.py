@@ -92,7 +92,7 @@ def test_a_final_cut_that_differs_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     receive = learner_node.SimLink._receive
 
     def corrupted(self: learner_node.SimLink, msg: object, payload: bytes | None) -> None:
-        if type(msg).__name__ == "Final" and self.link.learner_id == 1 and payload:
+        if type(msg).__name__ == "Final" and self.me.learner_id == 1 and payload:
             values = torch.frombuffer(bytearray(payload), dtype=torch.float32).clone()
             values[0] += 1.0
             payload = values.numpy().tobytes()

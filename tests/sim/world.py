@@ -36,6 +36,7 @@ from tests.sim.scheduler import Actor, Scheduler
 from tests.sim.syncer_node import SyncerNode
 from yeto_core.codecs import codec_by_name
 from yeto_core.learner import LearnerSession
+from yeto_core.sections import ConsensusSettings, LinkSettings
 from yeto_core.settings import LearnerSettings, SyncerSettings
 
 KEY = b"s" * 32
@@ -165,8 +166,9 @@ class World:
         """Read once per key (reading the environment takes milliseconds); each learner gets a copy with its id."""
         if key not in self._settings:
             self._settings[key] = LearnerSettings(  # H unset: the syncer's, learned at the handshake
-                syncer="127.0.0.1:9", key=SecretStr(key.decode()), reconnect_max_s=2.0, init_timeout_s=600.0,
-                final_timeout_s=600.0, blocking_timeout_s=60.0, lockstep_timeout_s=30.0, consensus_every=0,
+                syncer="127.0.0.1:9", key=SecretStr(key.decode()), init_timeout_s=600.0, final_timeout_s=600.0,
+                blocking_timeout_s=60.0, lockstep_timeout_s=30.0, link=LinkSettings(reconnect_max_s=2.0),
+                consensus=ConsensusSettings(every=0),
                 **self.scenario.learner)
         return self._settings[key]
 
@@ -247,7 +249,7 @@ class World:
         for process in sorted(self.procs, reverse=True):
             actor, link, out = self.procs[process]
             if out.learner_id == learner_id and not out.ended and link.settings.key is not None \
-                    and link.link.key == KEY:
+                    and link.me.key == KEY:
                 return actor, link, out
         return None
 

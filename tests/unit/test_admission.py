@@ -13,7 +13,7 @@ from syncer.service.admission import MAX_PROBES, Admission, ProbeSlots, broken_o
 from syncer.service.gate import ACCEPT_BACKOFF_MAX_S, ACCEPT_BACKOFF_MIN_S, AcceptPace, GateLogs, HandshakeGate
 from yeto_core.codecs import F32
 from yeto_core.layout import TensorSpec, build_layout
-from yeto_core.sections import LinkSettings
+from yeto_core.sections import Endpoint, LinkSettings
 from yeto_core.wire.connection import hello_for
 from yeto_core.wire.errors import ConnectionClosed, ErrorCode, ProtocolError, Refused, WireError
 from yeto_core.wire.messages import Hello
@@ -34,7 +34,7 @@ class Clock:
 
 
 def hello(learner_id: int = 3, key: bytes = KEY) -> Hello:
-    return hello_for(LinkSettings(("syncer", 7070), key, learner_id), LAYOUT, F32, sends_init=False,
+    return hello_for(Endpoint(("syncer", 7070), key, learner_id), LinkSettings(), LAYOUT, F32, sends_init=False,
                      instance=b"i" * 16, challenge_nonce=NONCE, client_nonce=bytes(32))
 
 

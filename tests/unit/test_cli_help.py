@@ -8,6 +8,7 @@ import re
 import pytest
 
 from syncer.service import cli
+from yeto_core.flat import flat_fields, flat_value
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings
 
 pytestmark = pytest.mark.unit
@@ -51,8 +52,8 @@ def settings_from_main(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Sync
 
 def test_every_setting_is_a_flag_with_its_description_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
     entries = help_entries(monkeypatch)
-    flags = {name: field for name, field in SyncerSettings.model_fields.items() if name not in cli.NOT_FLAGS}
-    assert len(flags) > 40 and "key" not in flags
+    flags = {name: flat.info for name, flat in flat_fields(SyncerSettings).items() if name not in cli.NOT_FLAGS}
+    assert len(flags) > 40 and "key" not in flags and "outer_lr" in flags and "wan_stall_timeout_s" in flags
     for name, field in flags.items():
         flag = "--" + name.replace("_", "-")
         assert flag in entries, f"{name} has no flag"
@@ -106,7 +107,7 @@ def test_every_former_name_still_works(monkeypatch: pytest.MonkeyPatch, argv: li
                                        new: str, seconds: float) -> None:
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    assert getattr(settings_from_main(argv, monkeypatch), new) == pytest.approx(seconds)
+    assert flat_value(settings_from_main(argv, monkeypatch), new) == pytest.approx(seconds)
 
 
 def test_a_former_name_beside_its_new_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +147,7 @@ def test_a_value_of_the_wrong_type_is_named_by_argparse(capsys: pytest.CaptureFi
 
 def test_former_variables_are_not_reported_as_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("YETO_SYNCER_WAN_STALL_TIMEOUT", "2")
-    assert load_settings(SyncerSettings).wan_stall_timeout_s == 2.0
+    assert load_settings(SyncerSettings).streams.stall_timeout_s == 2.0
     monkeypatch.setenv("YETO_SYNCER_GRACE_M", "2")
     with pytest.raises(SettingsError, match="YETO_SYNCER_GRACE_M is not a yeto setting; did you mean"):
         load_settings(SyncerSettings)

@@ -17,7 +17,7 @@ from yeto_core.client import SyncerClient
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.link import Connected, Received
 from yeto_core.net.stream import Stream
-from yeto_core.sections import LinkSettings, Schedule
+from yeto_core.sections import Endpoint, LinkSettings, Schedule
 from yeto_core.wire.connection import SyncerHandshake
 from yeto_core.wire.messages import Pull
 
@@ -55,8 +55,7 @@ def test_connected_comes_before_the_first_message_of_its_connection(attempt: int
     sent = threading.Event()
     server = threading.Thread(target=serve_once, args=(listener, sent), daemon=True)
     server.start()
-    link = LinkSettings(address=listener.getsockname()[:2], key=KEY, learner_id=1, data_streams=1)
-    client = SyncerClient(link)
+    client = SyncerClient(Endpoint(listener.getsockname()[:2], KEY, 1), LinkSettings(data_streams=1))
     try:
         client.start(lambda schedule: build_layout(SPECS, schedule.num_fragments, schedule.pattern), lambda: 0)
         first = client.next_event(10.0)

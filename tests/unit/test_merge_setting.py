@@ -20,7 +20,7 @@ SPECS = [TensorSpec("embed.weight", (8, 4), "float32", embedding=True), TensorSp
 
 def segments(merge: str) -> list[list[bool]]:
     layout = build_layout(SPECS, 3, "binpack")
-    return [[seg.rda for seg in frag] for frag in fragment_segments(layout, SyncerSettings(merge=merge).merge)]
+    return [[seg.rda for seg in frag] for frag in fragment_segments(layout, SyncerSettings(merge=merge).merging.merge)]
 
 
 def test_rda_merges_every_tensor_the_embedding_too() -> None:
@@ -53,10 +53,10 @@ def test_an_unknown_merge_is_refused_with_the_setting_named() -> None:
 def test_the_shipped_outer_step_against_a_hand_reference() -> None:
     from syncer.merge.outer import STEPS_KEY, outer_optimizer
 
-    s = SyncerSettings()
+    s = SyncerSettings().merging
     assert (s.merge, s.outer_optimizer, s.outer_lr, s.outer_momentum, s.outer_momentum_warmup) == (
         "rda", "nesterov", 0.7, 0.5, 4)
-    outer = outer_optimizer(s.merging)
+    outer = outer_optimizer(s)
     param, momentum = torch.tensor([1.0, -2.0]), torch.zeros(2)
     close = partial(pytest.approx, rel=1e-6)  # 0.7 is not a binary fraction: float32 rounding
     outer.step(param, momentum, torch.tensor([0.5, 0.25]), {STEPS_KEY: 0})

@@ -16,7 +16,7 @@ from syncer.service.admission import Admission
 from syncer.service.pending import LATE, NO_GROUP, PendingGroup, PendingGroups
 from yeto_core.codecs import F32
 from yeto_core.layout import TensorSpec, build_layout
-from yeto_core.sections import LinkSettings, Schedule
+from yeto_core.sections import Endpoint, LinkSettings, Schedule
 from yeto_core.wire.connection import (
     Admitted,
     Attached,
@@ -42,8 +42,8 @@ TIMEOUT = 10.0
 
 
 def hello(learner_id: int = 3, data_streams: int = 2) -> Hello:
-    link = LinkSettings(("syncer", 7070), KEY, learner_id, data_streams=data_streams)
-    return hello_for(link, LAYOUT, F32, sends_init=learner_id == 0, instance=INSTANCE, challenge_nonce=bytes(32),
+    me, link = Endpoint(("syncer", 7070), KEY, learner_id), LinkSettings(data_streams=data_streams)
+    return hello_for(me, link, LAYOUT, F32, sends_init=learner_id == 0, instance=INSTANCE, challenge_nonce=bytes(32),
                      client_nonce=bytes(range(32)))
 
 
@@ -196,8 +196,8 @@ class Shell:
 
 
 def learner(learner_id: int, key: bytes = KEY) -> LearnerHandshake:
-    link = LinkSettings(("syncer", 7070), key, learner_id, data_streams=2)
-    return LearnerHandshake(link, F32, sends_init=learner_id == 0, instance=INSTANCE, deadline=1e9,
+    me, link = Endpoint(("syncer", 7070), key, learner_id), LinkSettings(data_streams=2)
+    return LearnerHandshake(me, link, F32, sends_init=learner_id == 0, instance=INSTANCE, deadline=1e9,
                             layout_for=lambda s: build_layout(SPECS, s.num_fragments, s.pattern))
 
 

@@ -142,7 +142,7 @@ def test_the_initial_cut_is_checkpointed_recorded_then_sent_to_every_learner_wit
     for lid in (0, 1):
         peer = Peer(lid, 1)
         mine = [e for e in cut if getattr(e, "to", None) == peer]
-        assert mine[0] == StallTimeout(peer, d.settings.wan_stall_timeout_s)
+        assert mine[0] == StallTimeout(peer, d.settings.streams.stall_timeout_s)
         full = [(e.committed, e.msg.flags & BCAST_FULL) for e in mine if isinstance(e, Send)
                 and isinstance(e.msg, Bcast)]
         assert full == [(0, BCAST_FULL), (1, BCAST_FULL)]

@@ -97,7 +97,7 @@ def test_the_key_file_is_read_once(change: str, tmp_path: Path) -> None:
     else:
         key_file.unlink()
     assert learner.read_key() == syncer.read_key() == b"k" * 32
-    assert learner.link.key == b"k" * 32
+    assert learner.endpoint().key == b"k" * 32
 
 
 def test_syncer_quorum_cannot_exceed_learners(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,13 +178,14 @@ def test_a_key_file_given_by_flag_is_named_by_the_flag(tmp_path: Path) -> None:
 
 
 def test_each_section_carries_its_settings_and_their_defaults_do_not_drift() -> None:
-    from yeto_core.sections import ConsensusSettings, IslandSettings, LinkSettings, MergeSettings
+    from yeto_core.sections import ConsensusSettings, Endpoint, IslandSettings, LinkSettings, MergeSettings
     from yeto_core.settings import LearnerSettings, SyncerSettings
 
     learner = LearnerSettings(syncer="10.0.0.2:7070", key="k" * 32, learner_id=3)
     assert learner.consensus == ConsensusSettings() and learner.island == IslandSettings()
     assert SyncerSettings().merging == MergeSettings()
-    assert learner.link == LinkSettings(address=("10.0.0.2", 7070), key=b"k" * 32, learner_id=3)
+    assert learner.link == LinkSettings()
+    assert learner.endpoint() == Endpoint(("10.0.0.2", 7070), b"k" * 32, 3)
     tuned = LearnerSettings(syncer="h:1", key="k" * 32, data_streams=4, wan_stall_timeout_s=9, collective_timeout_s=8,
                             consensus_every=0, wan_stream_schedule="adaptive")
     assert (tuned.link.data_streams, tuned.link.stall_timeout_s, tuned.link.stream_schedule) == (4, 9.0, "adaptive")

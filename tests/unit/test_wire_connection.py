@@ -17,7 +17,7 @@ from syncer.core.handshake import HandshakeRefused, check_hello
 from yeto_core.codecs import F32
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.learner import LearnerSession
-from yeto_core.sections import DEFAULT_SYNC_INTERVAL, LinkSettings, Schedule
+from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Endpoint, LinkSettings, Schedule
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire import auth
 from yeto_core.wire.connection import (
@@ -70,7 +70,7 @@ DEADLINE = 10.0
 SPECS = (TensorSpec("embed.weight", (32, 8), "float32", embedding=True),
          *(TensorSpec(f"layers.{i}.w", (8, 8), "float32") for i in range(6)))
 LAYOUT = build_layout(SPECS, 4)
-LINK = LinkSettings(("syncer", 7070), KEY, 3, data_streams=2)
+ME, LINK = Endpoint(("syncer", 7070), KEY, 3), LinkSettings(data_streams=2)
 H = 24  # the syncer's sync interval
 
 
@@ -103,8 +103,8 @@ class FakeSyncer:
 
 
 def learner(learner_id: int = 3, *, key: bytes = KEY, sends_init: bool = False) -> LearnerHandshake:
-    link = dataclasses.replace(LINK, key=key, learner_id=learner_id)
-    return LearnerHandshake(link, F32, sends_init=sends_init, instance=INSTANCE, deadline=DEADLINE,
+    me = dataclasses.replace(ME, key=key, learner_id=learner_id)
+    return LearnerHandshake(me, LINK, F32, sends_init=sends_init, instance=INSTANCE, deadline=DEADLINE,
                             layout_for=lambda s: build_layout(SPECS, s.num_fragments, s.pattern),
                             nonce=lambda: CLIENT_NONCE)
 
@@ -147,7 +147,7 @@ def test_a_learner_joins(bytewise: bool) -> None:
     learned, admitted = pipe(ours, theirs, bytewise=bytewise)
     token = bytes([1]) * 16
     assert learned == [Challenged(LAYOUT), Welcomed(1, token, False)]
-    hello = hello_for(LINK, LAYOUT, F32, sends_init=False, instance=INSTANCE, challenge_nonce=NONCE,
+    hello = hello_for(ME, LINK, LAYOUT, F32, sends_init=False, instance=INSTANCE, challenge_nonce=NONCE,
                       client_nonce=CLIENT_NONCE)
     assert admitted == [Admitted(hello, token, 1, None, 0)]
     assert (ours.state, theirs.state) == (HandshakeState.WELCOMED, HandshakeState.JOINED)
@@ -180,7 +180,7 @@ def test_a_data_stream_attaches_with_the_token() -> None:
 def test_an_attach_for_no_pending_group_or_signed_with_another_key_is_refused() -> None:
     syncer, ours = FakeSyncer(), learner()
     pipe(ours, syncer.accept())
-    stranger = LearnerHandshake(LinkSettings(("syncer", 7070), b"another key", 3), F32, sends_init=False,
+    stranger = LearnerHandshake(Endpoint(("syncer", 7070), b"another key", 3), LINK, F32, sends_init=False,
                                 instance=INSTANCE, layout_for=lambda s: LAYOUT, deadline=DEADLINE)
     assert ours.welcome is not None
     stranger.welcome = ours.welcome  # it learned the token by watching the wire
@@ -232,7 +232,7 @@ def test_a_pinned_model_refuses_another_fingerprint_with_layout() -> None:
 def awaiting_manifest() -> tuple[SyncerHandshake, Hello]:
     """A syncer machine that WELCOMEd learner 0's HELLO and waits for its MANIFEST."""
     theirs = FakeSyncer().accept()
-    hello = hello_for(LinkSettings(("s", 1), KEY, 0), LAYOUT, F32, sends_init=True, instance=INSTANCE,
+    hello = hello_for(Endpoint(("s", 1), KEY, 0), LINK, LAYOUT, F32, sends_init=True, instance=INSTANCE,
                       challenge_nonce=NONCE, client_nonce=CLIENT_NONCE)
     assert theirs.receive_data(encode_frame(hello)) == []
     assert theirs.state is HandshakeState.AWAIT_MANIFEST
@@ -326,7 +326,7 @@ def session(sync_interval: int | None = None) -> LearnerSession:
 
 
 def dialing(s: LearnerSession) -> LearnerHandshake:
-    return LearnerHandshake(LINK, F32, sends_init=False, instance=INSTANCE, layout_for=s._layout_for,
+    return LearnerHandshake(ME, LINK, F32, sends_init=False, instance=INSTANCE, layout_for=s._layout_for,
                             deadline=DEADLINE, nonce=lambda: CLIENT_NONCE)
 
 
@@ -376,7 +376,7 @@ def test_a_version_1_peer_is_refused_naming_both_versions() -> None:
     said = rf"^protocol version 1 is not supported \(this side speaks {PROTOCOL_VERSION}\)$"
     with pytest.raises(ProtocolError, match=said):  # a version-1 syncer's CHALLENGE
         learner().receive_data(as_version_1(encode_frame(Challenge(NONCE, 4, "binpack", H))))
-    hello = hello_for(LINK, LAYOUT, F32, sends_init=False, instance=INSTANCE, challenge_nonce=NONCE,
+    hello = hello_for(ME, LINK, LAYOUT, F32, sends_init=False, instance=INSTANCE, challenge_nonce=NONCE,
                       client_nonce=CLIENT_NONCE)
     with pytest.raises(ProtocolError, match=said):  # a version-1 learner's HELLO
         FakeSyncer().accept().receive_data(as_version_1(encode_frame(hello)))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from yeto_core.layout import Layout, build_layout
-from yeto_core.sections import LinkSettings, Schedule
+from yeto_core.sections import Endpoint, LinkSettings, Schedule
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ErrorCode, ProtocolError, Refused
 from yeto_core.wire.framing import FrameReader
@@ -54,18 +54,18 @@ FIRST_FRAME_BOUND = 64 * 1024  # the syncer's bound on the first frame of a conn
 SWEEP_FLAGS = {"stream": 0, "sweep": HELLO_SWEEPS, "overlap": HELLO_SWEEPS | HELLO_SWEEP_OVERLAP}  # by rl_mode
 
 
-def hello_for(link: LinkSettings, layout: Layout, codec: Codec, *, sends_init: bool, instance: bytes,
+def hello_for(me: Endpoint, link: LinkSettings, layout: Layout, codec: Codec, *, sends_init: bool, instance: bytes,
               challenge_nonce: bytes, client_nonce: bytes) -> Hello:
-    """The signed HELLO answering a CHALLENGE: who this learner is and its session contract."""
+    """The signed HELLO answering a CHALLENGE: who this learner is (`me`) and its session contract."""
     # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
     # syncer without state can build the layout and bound every transfer before any bulk byte.
     flags = (HELLO_SENDS_MANIFEST if sends_init else 0) | (HELLO_BCAST_DELTA if link.bcast_delta else 0)
     flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if link.overlap else 0)
     flags |= SWEEP_FLAGS[link.rl_mode]
     block = int(getattr(codec, "block", 0))  # the quantized codecs' block size is contract too
-    hello = Hello(link.learner_id, link.data_streams, layout.fingerprint, codec.wire_id, CHUNK_BYTES, flags,
+    hello = Hello(me.learner_id, link.data_streams, layout.fingerprint, codec.wire_id, CHUNK_BYTES, flags,
                   client_nonce, push_block=block, instance=instance)
-    return dataclasses.replace(hello, mac=auth.sign(link.key, auth.HELLO_LABEL, challenge_nonce, hello.signed_part()))
+    return dataclasses.replace(hello, mac=auth.sign(me.key, auth.HELLO_LABEL, challenge_nonce, hello.signed_part()))
 
 
 class OutOfTurn(ProtocolError):
@@ -238,11 +238,11 @@ class LearnerHandshake(Handshake):
     TABLE = LEARNER_TABLE
     ROLE = "learner"
 
-    def __init__(self, link: LinkSettings, codec: Codec, *, sends_init: bool, instance: bytes,
+    def __init__(self, me: Endpoint, link: LinkSettings, codec: Codec, *, sends_init: bool, instance: bytes,
                  layout_for: Callable[[Schedule], Layout], deadline: float,
                  nonce: Callable[[], bytes] = auth.new_nonce) -> None:
         super().__init__(S.AWAIT_CHALLENGE, deadline)
-        self._link, self._codec, self._sends_init, self._instance = link, codec, sends_init, instance
+        self._me, self._link, self._codec, self._sends_init, self._instance = me, link, codec, sends_init, instance
         self._layout_for, self._nonce = layout_for, nonce
         self.schedule: Schedule | None = None  # what the CHALLENGE announced
         self.layout: Layout | None = None  # built for the schedule (it may refuse it: `Refused`)
@@ -252,7 +252,7 @@ class LearnerHandshake(Handshake):
     def attach(self, index: int, deadline: float | None = None) -> LearnerAttach:
         """The handshake of data stream `index` of the group WELCOME opened."""
         assert self.welcome is not None, "a data stream attaches after WELCOME"
-        return LearnerAttach(self._link.key, self.welcome.token, index,
+        return LearnerAttach(self._me.key, self.welcome.token, index,
                              self._deadline if deadline is None else deadline)
 
     def _handle(self, msg: Message) -> tuple[HandshakeState, list[Event]]:
@@ -261,12 +261,12 @@ class LearnerHandshake(Handshake):
         if isinstance(msg, Challenge):
             self.schedule = Schedule(msg.num_fragments, msg.pattern, msg.sync_interval)
             self.layout = self._layout_for(self.schedule)
-            self.hello = hello_for(self._link, self.layout, self._codec, sends_init=self._sends_init,
+            self.hello = hello_for(self._me, self._link, self.layout, self._codec, sends_init=self._sends_init,
                                    instance=self._instance, challenge_nonce=msg.nonce, client_nonce=self._nonce())
             self._send(self.hello)
             return S.AWAIT_WELCOME, [Challenged(self.layout)]
         assert isinstance(msg, Welcome) and self.hello is not None and self.layout is not None
-        if not auth.verify(self._link.key, msg.mac, auth.WELCOME_LABEL, self.hello.client_nonce, msg.token,
+        if not auth.verify(self._me.key, msg.mac, auth.WELCOME_LABEL, self.hello.client_nonce, msg.token,
                            msg.generation.to_bytes(4, "little")):
             return S.REFUSED, [Refusal(ErrorCode.AUTH, "the syncer could not prove it holds the same key")]
         self.welcome = msg

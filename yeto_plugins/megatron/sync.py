@@ -47,8 +47,8 @@ class MegatronDiLoCoSync:
         self.store = IslandStore(chunks, optimizer, self.settings.island)
         self.rank = self.store.rank
         # Built on every rank (the same way): the probe is a collective of the whole island.
-        probe = (megatron_logit_probe(chunks, self.store.group, self.settings.consensus_tokens)
-                 if self.settings.consensus_every else None)
+        probe = (megatron_logit_probe(chunks, self.store.group, self.settings.consensus.tokens)
+                 if self.settings.consensus.every else None)
         self.island = IslandSession(self.settings, store=self.store, embedding_names={EMBEDDING}, probe=probe,
                                     on_final=on_final)
         self.session: LearnerSession | None = self.island.session  # rank 0 only

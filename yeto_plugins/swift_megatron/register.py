@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from yeto_core.flat import flat_fields
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.swift_megatron.callback import YetoMegatronCallback
 
@@ -42,7 +43,7 @@ class _Prefix(BaseSettings):
 # `LearnerSettings.auto_attach` alone is checked when swift builds its callbacks; the other
 # learner settings are checked at `on_train_begin`. They are listed here unchecked so that
 # load_settings still knows every YETO_DILOCO_* name and reports a misspelt one.
-_unchecked: dict[str, Any] = {name: (str | None, None) for name in LearnerSettings.model_fields}
+_unchecked: dict[str, Any] = {name: (str | None, None) for name in flat_fields(LearnerSettings)}
 AutoAttachSetting = create_model("AutoAttachSetting", __base__=_Prefix, **{**_unchecked, "auto_attach": (bool, False)})
 
 
