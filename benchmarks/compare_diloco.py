@@ -141,7 +141,7 @@ def baselines(arm: Arm, arms: dict[str, Arm]) -> tuple[str | None, str | None]:
 def effective(arm: Arm) -> tuple[Any, ...]:
     """What an arm actually runs: its settings minus those equal to the shipped defaults."""
     from syncer.service.cli import build_parser
-    from yeto_core.flat import flat_fields
+    from yeto_core.setting_names import flat_fields
     from yeto_core.settings import LearnerSettings, SyncerSettings
 
     flags = vars(build_parser().parse_args(arm.syncer))
@@ -339,7 +339,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             pair.split("=", 1) for pair in args.learner_settings.split(",") if pair.strip())}
     except ValueError:
         p.error(f"--learner-settings {args.learner_settings!r}: want NAME=VALUE,... with JSON values")
-    from yeto_core.flat import flat_fields
+    from yeto_core.setting_names import flat_fields
     from yeto_core.settings import LearnerSettings
 
     unknown_settings = sorted(set(args.learner_extra) - set(flat_fields(LearnerSettings)))

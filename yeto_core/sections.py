@@ -6,7 +6,7 @@ own top-level fields. Each setting is written once, here, with its default, its 
 description; a component takes its section whole, so what it depends on is written once too, in
 its signature. Users still set each one by a single flat name (`YETO_DILOCO_HEARTBEAT_S`,
 `--outer-lr`): the field's name, or its `validation_alias` where the component calls it otherwise
-(`stall_timeout_s` is set as `WAN_STALL_TIMEOUT_S`); yeto_core/flat.py maps the names.
+(`stall_timeout_s` is set as `WAN_STALL_TIMEOUT_S`); yeto_core/setting_names.py maps the names.
 """
 
 from __future__ import annotations

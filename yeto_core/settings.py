@@ -3,25 +3,23 @@
 Learner settings come from `YETO_DILOCO_*`, syncer settings from `YETO_SYNCER_*`. Explicit
 arguments (keyword arguments, command-line flags) always win over the environment. Both are made
 of the sections their components take (yeto_core/sections.py), yet every setting keeps one flat
-name (yeto_core/flat.py). A bad value fails at start-up with one message that names the variable,
-flag or argument and what it accepts.
+name (yeto_core/setting_names.py). A bad value fails at start-up with one message that names the
+variable, flag or argument and what it accepts.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yeto_core import faults
-from yeto_core.flat import FlatSettings, flat_fields, flat_of
 from yeto_core.sections import (
     DAY_S,
     DEFAULT_SYNC_INTERVAL,
@@ -35,6 +33,16 @@ from yeto_core.sections import (
     MergeSettings,
     Schedule,
     StreamSettings,
+)
+from yeto_core.setting_names import (
+    FlatSettings,
+    Renamed,
+    SettingsError,
+    flat_fields,
+    flat_of,
+    setting_name,
+    take_renamed,
+    unknown_variables,
 )
 
 log = logging.getLogger("yeto.settings")
@@ -56,27 +64,6 @@ FINAL_HOLD_S = 60.0  # the syncer's --final-timeout-s
 REJOIN_WAIT_S = 60.0  # the syncer's --rejoin-wait-s
 FINAL_CHECKPOINT_S = 30.0
 FINAL_WAIT_S = 2 * (REJOIN_WAIT_S + FINAL_CHECKPOINT_S + FINAL_HOLD_S)  # the learners' YETO_DILOCO_FINAL_TIMEOUT_S
-
-
-class SettingsError(ValueError):
-    """A setting has a value yeto cannot use; the message names the setting."""
-
-
-class Renamed(NamedTuple):
-    """A setting's former name (a settings class's `renamed` maps it to this): its value, in
-    `unit`, goes to the setting `new`, which is in seconds."""
-
-    new: str
-    unit: Literal["s", "ms"]
-
-    @property
-    def to_seconds(self) -> float:
-        return 0.001 if self.unit == "ms" else 1.0
-
-
-def renamed_settings(cls: type[BaseSettings]) -> dict[str, Renamed]:
-    """Former name → its replacement, for the settings classes that renamed any."""
-    return dict(getattr(cls, "renamed", {}))
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -414,90 +401,6 @@ class IsoWorkerSettings(BaseSettings):
 
 
 S = TypeVar("S", bound=BaseSettings)
-
-
-def unknown_variables(cls: type[BaseSettings]) -> list[str]:
-    """A line for each environment variable under the settings' prefix that names no setting:
-    a typo must not silently leave a setting at its default."""
-    prefix = str(cls.model_config.get("env_prefix", ""))
-    if not prefix:
-        return []
-    known = [f"{prefix}{name.upper()}" for name in flat_fields(cls)]
-    former = [f"{prefix}{name.upper()}" for name in renamed_settings(cls)]  # read, with a warning
-    lines = []
-    for var in sorted(os.environ):
-        if var.upper().startswith(prefix) and var.upper() not in known + former:
-            close = difflib.get_close_matches(var.upper(), known, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(known)}"
-            lines.append(f"{var} is not a yeto setting{hint}")
-        elif (meant := misspelt_prefix(var.upper(), prefix)) is not None:
-            close = difflib.get_close_matches(meant, known, n=1)
-            lines.append(f"{var} is not a yeto setting; did you mean {close[0] if close else meant}?")
-    return lines
-
-
-def misspelt_prefix(var: str, prefix: str) -> str | None:
-    """`var` with `prefix` put in place of a misspelling of it (`YETO_SYNCR_QUORUM` →
-    `YETO_SYNCER_QUORUM`), or None when `var` does not start with something close to `prefix`:
-    such a variable would otherwise leave its setting at the default without a word."""
-    if var.startswith(prefix) or not var.startswith("YETO"):
-        return None
-    best, meant = 0.0, None
-    for cut in range(max(5, len(prefix) - 2), min(len(var), len(prefix) + 2) + 1):  # a letter or two off
-        ratio = difflib.SequenceMatcher(None, var[:cut], prefix).ratio()
-        if ratio > best:
-            best, meant = ratio, prefix + var[cut:].lstrip("_")
-    return meant if best >= 0.85 else None
-
-
-def configured(cls: type[BaseSettings]) -> bool:
-    """Whether the environment sets any of `cls`'s variables: a plugin that attaches itself (verl's
-    entry point) stays inert without one, and is configured, rightly or wrongly, with any."""
-    prefix = str(cls.model_config.get("env_prefix", "")).upper()
-    return bool(prefix) and any(var.upper().startswith(prefix) for var in os.environ)
-
-
-def environment_of(cls: type[BaseSettings]) -> dict[str, str]:
-    """This process's variables of `cls`'s prefix, as set: for processes that do not inherit this
-    environment (the workers of a Ray cluster started before the job, `yeto_plugins.verl.entry`)."""
-    prefix = str(cls.model_config.get("env_prefix", "")).upper()
-    return {k: v for k, v in os.environ.items() if prefix and k.upper().startswith(prefix)}
-
-
-def setting_name(field: str, *, flags: bool) -> str:
-    """How errors call a value given explicitly: its command-line flag or keyword argument."""
-    return f"--{field.replace('_', '-')}" if flags else f"argument {field}"
-
-
-def take_renamed(cls: type[BaseSettings], given: dict[str, Any], *, flags: bool) -> dict[str, tuple[str, Any]]:
-    """Move a value set under a former name (explicitly, or in the environment) into `given` under
-    the current name, converted to seconds, with one warning each; explicit values still win over
-    the environment. Returns, for each setting filled so, the name and value its errors quote:
-    the ones the user wrote."""
-    prefix = str(cls.model_config.get("env_prefix", ""))
-    environ = {var.upper(): value for var, value in os.environ.items()}
-    quoted: dict[str, tuple[str, Any]] = {}
-    for old, renamed in renamed_settings(cls).items():
-        new = renamed.new
-        if old in given:
-            raw, name, new_name = given.pop(old), setting_name(old, flags=flags), setting_name(new, flags=flags)
-            if new in given:
-                raise SettingsError(f"{name} and {new_name} are both given; drop the deprecated {name}")
-        elif f"{prefix}{old.upper()}" in environ and new not in given:
-            name, new_name = f"{prefix}{old.upper()}", f"{prefix}{new.upper()}"
-            raw = environ[name]
-            if new_name in environ:
-                raise SettingsError(f"{name} and {new_name} are both set; drop the deprecated {name}")
-        else:
-            continue
-        try:
-            seconds = float(raw) * renamed.to_seconds
-        except (TypeError, ValueError):
-            raise SettingsError(f"{name}={raw!r}: expected a number ({renamed.unit})") from None
-        log.warning("%s is deprecated; use %s (in seconds): read as %s=%g", name, new_name, new_name, seconds)
-        given[new] = seconds
-        quoted[new] = (name, raw)
-    return quoted
 
 
 class MilesDriverSettings(BaseSettings):

@@ -33,7 +33,7 @@ from syncer.service.server import SyncerServer
 from syncer.service.traffic import FanOut
 from syncer.web.status import StatusBoard
 from syncer.web.web import serve
-from yeto_core.flat import flat_fields
+from yeto_core.setting_names import flat_fields
 from yeto_core.settings import IsoWorkerSettings, SettingsError, SyncerSettings, load_settings
 from yeto_core.web_server import read_token
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from syncer.service import cli
-from yeto_core.flat import flat_fields, flat_value
+from yeto_core.setting_names import flat_fields, flat_value
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings
 
 pytestmark = pytest.mark.unit

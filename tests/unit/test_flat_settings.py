@@ -7,8 +7,8 @@ import pytest
 from pydantic import BaseModel
 
 from syncer.service import cli
-from yeto_core.flat import flat_fields, flat_of, flat_value, nest
 from yeto_core.sections import ConsensusSettings, LinkSettings, MergeSettings, Section, StreamSettings
+from yeto_core.setting_names import flat_fields, flat_of, flat_value, nest
 from yeto_core.settings import LearnerSettings, SettingsError, SyncerSettings, load_settings
 
 pytestmark = pytest.mark.unit

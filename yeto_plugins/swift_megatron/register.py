@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import create_model
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from yeto_core.flat import flat_fields
+from yeto_core.setting_names import flat_fields
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.swift_megatron.callback import YetoMegatronCallback
 

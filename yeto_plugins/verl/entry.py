@@ -19,7 +19,8 @@ import importlib
 import sys
 from typing import Any
 
-from yeto_core.settings import LearnerSettings, configured, environment_of
+from yeto_core.setting_names import configured, environment_of
+from yeto_core.settings import LearnerSettings
 
 PREFIX = "YETO_DILOCO_"
 SECRET = PREFIX + "KEY"  # the key itself: Ray keeps a job's runtime_env where its dashboard shows it
