@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -56,11 +56,14 @@ class Section(BaseModel):
     # allow_inf_nan: "inf" parses as a float, and an infinite timeout overflows the socket layer.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, validate_by_name=True,
                               validate_by_alias=True)
+    heading: ClassVar[str] = ""  # what a command line's help lists the section's flags under
 
 
 class StreamSettings(Section):
     """The rules of a live connection group, the same on both ends: heartbeats, silence, stalls and
     how chunks are striped over the data streams."""
+
+    heading = "connection groups (the learners' link keeps the same rules)"
 
     heartbeat_s: float = Field(default=2.0, gt=0, le=HOUR_S, description="heartbeat period on the control stream")
     peer_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S, description="silence after which a link is dead")
@@ -136,6 +139,8 @@ DEFAULT_ISLAND = IslandSettings()
 
 class MergeSettings(Section):
     """How the syncer merges a round: the merge of the deltas, the outer step, and where it runs."""
+
+    heading = "merge and outer step"
 
     merge: Literal["rda", "iso", "average"] = Field(default="rda", description="merge of every tensor: "
                                                     "radial-directional averaging (rda), rda with each 2-D matrix's "

@@ -63,7 +63,7 @@ def shown_default(setting: str, value: object) -> str:
     return str(value)
 
 
-def add_setting_flag(parser: argparse.ArgumentParser, setting: str, field: FieldInfo) -> None:
+def add_setting_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, setting: str, field: FieldInfo) -> None:
     """The flag of one setting, typed by its annotation and explained by its description and default.
     It defaults to None, "not given", so that the environment fills what the command line leaves out."""
     kind = field.annotation
@@ -81,12 +81,22 @@ def add_setting_flag(parser: argparse.ArgumentParser, setting: str, field: Field
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per syncer setting, derived from its field, so the help cannot drift from the defaults."""
+    """One flag per syncer setting, derived from its field, so the help cannot drift from the defaults.
+    A section's flags are listed under its heading."""
     p = argparse.ArgumentParser(prog="python -m syncer", description="yeto syncer: merges the islands' "
                                 "fragment updates with quorum rounds, RDA and a Nesterov outer step.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for setting, field in flat_fields(SyncerSettings).items():
-        if setting not in NOT_FLAGS:
-            add_setting_flag(p, setting, field.info)
+        if setting in NOT_FLAGS:
+            continue
+        where: argparse.ArgumentParser | argparse._ArgumentGroup = p
+        if len(field.path) == 2:
+            section = field.path[0]
+            if section not in groups:
+                heading = getattr(SyncerSettings.model_fields[section].annotation, "heading", section)
+                groups[section] = p.add_argument_group(heading)
+            where = groups[section]
+        add_setting_flag(where, setting, field.info)
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                    help="logging level (default INFO)")
     former = p.add_argument_group("deprecated flags (each read as its new setting, with a warning)")

@@ -122,6 +122,10 @@ def test_the_syncers_flags_cover_its_sections() -> None:
     settings = load_settings(SyncerSettings, flags=True, **{k: v for k, v in vars(args).items() if k != "log_level"})
     assert settings.merging.outer_lr == 0.3
     assert (settings.streams.heartbeat_s, settings.streams.stall_timeout_s) == (1.0, 4.0)
+    text = cli.build_parser().format_help()  # a section's flags under its heading, after the syncer's own
+    merging, streams = text.index(f"\n{MergeSettings.heading}:"), text.index(f"\n{StreamSettings.heading}:")
+    first = [text.index(f"\n  --{name}") for name in ("learners", "heartbeat-s", "outer-lr")]
+    assert first[0] < streams < first[1] < merging < first[2]
 
 
 def test_nest_and_flat_of_are_inverse_on_every_name() -> None:
