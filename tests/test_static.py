@@ -35,7 +35,10 @@ def test_mypy_clean() -> None:
 
 
 # Settings are read once, at the edge, and passed down: only these files may read the environment.
-ENVIRONMENT_READERS = {"yeto_core/settings.py", "yeto_plugins/autoattach.py"}  # the settings; the start-up hook
+ENVIRONMENT_READERS = {
+    "yeto_core/settings.py", "yeto_core/setting_names.py",  # the settings, read by their flat names
+    "yeto_plugins/autoattach.py",  # the start-up hook
+}
 READS_ENVIRONMENT = re.compile(r"\bos\.(environb?|getenv)\b|\bfrom\s+os\s+import\s[^\n]*\b(environb?|getenv)\b")
 
 
