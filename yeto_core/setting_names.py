@@ -1,24 +1,51 @@
-"""One flat name a setting, over settings made of sections.
+"""How settings are named: one flat name each, former names, misspellings.
 
 The settings are nested (`LearnerSettings.link.heartbeat_s`), but users set each one by a single
 name: the variable `YETO_DILOCO_HEARTBEAT_S`, the flag `--heartbeat-s`, the keyword argument
 `heartbeat_s=`. A section's field goes by its own name, or by its `validation_alias` where the
 component calls it otherwise (`link.stall_timeout_s` is `wan_stall_timeout_s`). `FlatSettings`
 reads the environment by those names, folds flat keyword arguments into their sections, and
-`flat_of` turns an error's location back into the name the user wrote.
+`flat_of` turns an error's location back into the name the user wrote. A variable under a yeto
+prefix that names no setting is reported with the one it resembles (`unknown_variables`), and a
+former name is still read, converted and warned about (`take_renamed`).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
 import os
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import AliasChoices, BaseModel, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from yeto_core.sections import Section
+
+log = logging.getLogger("yeto.settings")
+
+
+class SettingsError(ValueError):
+    """A setting has a value yeto cannot use; the message names the setting."""
+
+
+class Renamed(NamedTuple):
+    """A setting's former name (a settings class's `renamed` maps it to this): its value, in
+    `unit`, goes to the setting `new`, which is in seconds."""
+
+    new: str
+    unit: Literal["s", "ms"]
+
+    @property
+    def to_seconds(self) -> float:
+        return 0.001 if self.unit == "ms" else 1.0
+
+
+def renamed_settings(cls: type[BaseSettings]) -> dict[str, Renamed]:
+    """Former name → its replacement, for the settings classes that renamed any."""
+    return dict(getattr(cls, "renamed", {}))
 
 
 class FlatField(NamedTuple):
@@ -137,3 +164,87 @@ class FlatSettings(BaseSettings):
     def _nest(cls, values: Any) -> Any:
         # The environment arrives nested already; keyword arguments arrive flat and win over it.
         return nest(cls, values) if isinstance(values, dict) else values
+
+
+def unknown_variables(cls: type[BaseSettings]) -> list[str]:
+    """A line for each environment variable under the settings' prefix that names no setting:
+    a typo must not silently leave a setting at its default."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    if not prefix:
+        return []
+    known = [f"{prefix}{name.upper()}" for name in flat_fields(cls)]
+    former = [f"{prefix}{name.upper()}" for name in renamed_settings(cls)]  # read, with a warning
+    lines = []
+    for var in sorted(os.environ):
+        if var.upper().startswith(prefix) and var.upper() not in known + former:
+            close = difflib.get_close_matches(var.upper(), known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(known)}"
+            lines.append(f"{var} is not a yeto setting{hint}")
+        elif (meant := misspelt_prefix(var.upper(), prefix)) is not None:
+            close = difflib.get_close_matches(meant, known, n=1)
+            lines.append(f"{var} is not a yeto setting; did you mean {close[0] if close else meant}?")
+    return lines
+
+
+def misspelt_prefix(var: str, prefix: str) -> str | None:
+    """`var` with `prefix` put in place of a misspelling of it (`YETO_SYNCR_QUORUM` →
+    `YETO_SYNCER_QUORUM`), or None when `var` does not start with something close to `prefix`:
+    such a variable would otherwise leave its setting at the default without a word."""
+    if var.startswith(prefix) or not var.startswith("YETO"):
+        return None
+    best, meant = 0.0, None
+    for cut in range(max(5, len(prefix) - 2), min(len(var), len(prefix) + 2) + 1):  # a letter or two off
+        ratio = difflib.SequenceMatcher(None, var[:cut], prefix).ratio()
+        if ratio > best:
+            best, meant = ratio, prefix + var[cut:].lstrip("_")
+    return meant if best >= 0.85 else None
+
+
+def configured(cls: type[BaseSettings]) -> bool:
+    """Whether the environment sets any of `cls`'s variables: a plugin that attaches itself (verl's
+    entry point) stays inert without one, and is configured, rightly or wrongly, with any."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    return bool(prefix) and any(var.upper().startswith(prefix) for var in os.environ)
+
+
+def environment_of(cls: type[BaseSettings]) -> dict[str, str]:
+    """This process's variables of `cls`'s prefix, as set: for processes that do not inherit this
+    environment (the workers of a Ray cluster started before the job, `yeto_plugins.verl.entry`)."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    return {k: v for k, v in os.environ.items() if prefix and k.upper().startswith(prefix)}
+
+
+def setting_name(field: str, *, flags: bool) -> str:
+    """How errors call a value given explicitly: its command-line flag or keyword argument."""
+    return f"--{field.replace('_', '-')}" if flags else f"argument {field}"
+
+
+def take_renamed(cls: type[BaseSettings], given: dict[str, Any], *, flags: bool) -> dict[str, tuple[str, Any]]:
+    """Move a value set under a former name (explicitly, or in the environment) into `given` under
+    the current name, converted to seconds, with one warning each; explicit values still win over
+    the environment. Returns, for each setting filled so, the name and value its errors quote:
+    the ones the user wrote."""
+    prefix = str(cls.model_config.get("env_prefix", ""))
+    environ = {var.upper(): value for var, value in os.environ.items()}
+    quoted: dict[str, tuple[str, Any]] = {}
+    for old, renamed in renamed_settings(cls).items():
+        new = renamed.new
+        if old in given:
+            raw, name, new_name = given.pop(old), setting_name(old, flags=flags), setting_name(new, flags=flags)
+            if new in given:
+                raise SettingsError(f"{name} and {new_name} are both given; drop the deprecated {name}")
+        elif f"{prefix}{old.upper()}" in environ and new not in given:
+            name, new_name = f"{prefix}{old.upper()}", f"{prefix}{new.upper()}"
+            raw = environ[name]
+            if new_name in environ:
+                raise SettingsError(f"{name} and {new_name} are both set; drop the deprecated {name}")
+        else:
+            continue
+        try:
+            seconds = float(raw) * renamed.to_seconds
+        except (TypeError, ValueError):
+            raise SettingsError(f"{name}={raw!r}: expected a number ({renamed.unit})") from None
+        log.warning("%s is deprecated; use %s (in seconds): read as %s=%g", name, new_name, new_name, seconds)
+        given[new] = seconds
+        quoted[new] = (name, raw)
+    return quoted
