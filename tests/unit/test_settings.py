@@ -4,8 +4,10 @@ import os
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Schedule
+from yeto_core.setting_names import flat_fields
 from yeto_core.settings import (
     FINAL_CHECKPOINT_S,
     IsoWorkerSettings,
@@ -202,11 +204,11 @@ def test_a_learners_final_wait_outlasts_the_syncers_finalization() -> None:
     assert learner.final_timeout_s / 2 >= syncer.rejoin_wait_s + FINAL_CHECKPOINT_S + syncer.final_timeout_s
 
 
-def numeric_fields(cls: type) -> list[tuple[str, str]]:
-    """(field, annotation) of every number a settings class reads."""
+def numeric_fields(cls: type[BaseModel]) -> list[tuple[str, str]]:
+    """(flat name, annotation) of every number a settings class reads, its sections' included."""
     out = []
-    for name, field in cls.model_fields.items():
-        kind = str(field.annotation)
+    for name, flat in flat_fields(cls).items():
+        kind = str(flat.info.annotation)
         if "int" in kind or "float" in kind:
             out.append((name, kind))
     return out
@@ -214,6 +216,7 @@ def numeric_fields(cls: type) -> list[tuple[str, str]]:
 
 ABSURD = [(cls, name) for cls in (LearnerSettings, SyncerSettings, IsoWorkerSettings)
           for name, _ in numeric_fields(cls)]
+assert {"heartbeat_s", "outer_lr", "consensus_every"} <= {name for _, name in ABSURD}  # the sections' too
 
 
 @pytest.mark.parametrize(("cls", "name"), ABSURD, ids=[f"{c.__name__}.{n}" for c, n in ABSURD])
