@@ -131,19 +131,27 @@ class FlatEnvironment(PydanticBaseSettingsSource):
     """The environment, read by the flat names: each variable set goes to its section's field. A
     value read through an alias keeps the alias as its key, so an error names that variable."""
 
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self._environ: dict[str, str] = {}  # this read's variables, names upper-cased
+
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        raise NotImplementedError  # `__call__` reads every setting at once
+        """The value of the setting whose flat name is `field_name`, under the key validation takes
+        (the variable's whole name when it came through an alias), or None; never complex."""
+        prefix = str(self.config.get("env_prefix", ""))
+        for var in variables_of(prefix, field_name, field):
+            value = self._environ.get(var.upper())
+            if value is not None:
+                return value, var if isinstance(field.validation_alias, AliasChoices) else field_name, False
+        return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        prefix = str(self.config.get("env_prefix", ""))
-        environ = {var.upper(): value for var, value in os.environ.items()}
+        self._environ = {var.upper(): value for var, value in os.environ.items()}
         found: dict[str, Any] = {}
         for flat, field in flat_fields(self.settings_cls).items():
-            for var in variables_of(prefix, flat, field.info):
-                if var.upper() in environ:
-                    aliased = isinstance(field.info.validation_alias, AliasChoices)
-                    found[var if aliased else flat] = environ[var.upper()]
-                    break
+            value, key, _ = self.get_field_value(field.info, flat)
+            if value is not None:
+                found[key] = value
         return nest(self.settings_cls, found)
 
 

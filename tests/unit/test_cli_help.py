@@ -2,23 +2,16 @@
 flags win over the environment, and the former millisecond names still work, with a warning."""
 
 import logging
-import os
 import re
 
 import pytest
 
 from syncer.service import cli
+from tests.unit.clean_env import clean_env  # noqa: F401 - autouse: no YETO_* variable leaks in
 from yeto_core.setting_names import flat_fields, flat_value
 from yeto_core.settings import SettingsError, SyncerSettings, load_settings
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("YETO_"):
-            monkeypatch.delenv(name)
 
 
 def help_entries(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:

@@ -1,24 +1,17 @@
 """Nested settings, flat names: each section's field is set by one variable, flag or argument,
 explicit values still win over the environment, and every error names what the user wrote."""
 
-import os
 
 import pytest
 from pydantic import BaseModel
 
 from syncer.service import cli
+from tests.unit.clean_env import clean_env  # noqa: F401 - autouse: no YETO_* variable leaks in
 from yeto_core.sections import ConsensusSettings, LinkSettings, MergeSettings, Section, StreamSettings
 from yeto_core.setting_names import flat_fields, flat_of, flat_value, nest
 from yeto_core.settings import LearnerSettings, SettingsError, SyncerSettings, load_settings
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("YETO_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("cls", [LearnerSettings, SyncerSettings])

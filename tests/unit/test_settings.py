@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from tests.unit.clean_env import clean_env  # noqa: F401 - autouse: no YETO_* variable leaks in
 from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Schedule
 from yeto_core.setting_names import flat_fields
 from yeto_core.settings import (
@@ -19,13 +20,6 @@ from yeto_core.settings import (
 )
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("YETO_"):
-            monkeypatch.delenv(name)
 
 
 def test_learner_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
