@@ -268,6 +268,8 @@ class Run:
                                          lockstep=not arm.unpaced, **{**arm.learner, "sync_interval": h})
                 sessions.append(LearnerSession(settings, synced_parameters(model, settings.tuning),
                                                embedding_names=embedding_names(model)))
+                if settings.share_momentum:  # as the HF callback does with the Trainer's optimizer
+                    sessions[-1].share_momentum(trainee.opt)
             together([session.start for session in sessions])
             viewer = copy.deepcopy(trainees[0].model)
             self.curve.append((0, self._global_loss(sessions[0], viewer)))

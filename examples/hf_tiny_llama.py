@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             if logs and "loss" in logs:
                 emit("train", learner=learner_id, step=state.global_step, loss=round(float(logs["loss"]), 4),
                      pushes=logs.get("yeto_pushes"), installs=logs.get("yeto_installs"),
-                     consensus_js=logs.get("yeto_consensus_js"), fragment_l2=logs.get("yeto_fragment_l2_mean"))
+                     consensus_js=logs.get("yeto_consensus_js"), fragment_l2=logs.get("yeto_fragment_l2_mean"),
+                     moments_shared=logs.get("yeto_moments_shared"))
 
     callbacks: list[TrainerCallback] = [JsonProgress()]
     yeto = None

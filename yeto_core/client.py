@@ -36,6 +36,7 @@ from yeto_core.wire.connection import LearnerHandshake
 from yeto_core.wire.errors import ConnectionClosed, ProtocolError, Refused
 from yeto_core.wire.messages import (
     INSTANCE_BYTES,
+    MAX_BULK_PARTS,
     Bye,
     Done,
     Message,
@@ -192,7 +193,7 @@ class SyncerClient:
                                       name=f"learner{self.learner_id}")
         assert hs.layout is not None
         layout = self.layout = hs.layout
-        max_payload = max(f.numel for f in layout.fragments) * 4 + MAX_DOWNLINK_MARGIN
+        max_payload = max(f.numel for f in layout.fragments) * 4 * MAX_BULK_PARTS + MAX_DOWNLINK_MARGIN
         self.syncer_consensus = False
         group = ConnectionGroup(
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,
@@ -232,4 +233,4 @@ class SyncerClient:
             print(f"yeto learner {self.learner_id}: syncer reports {e.code.name.lower()}: {e.reason}", file=sys.stderr)
             log.warning("learner %d: syncer reports %s: %s", self.learner_id, e.code.name, e.reason)
         self.syncer_consensus |= routed.consensus
-        self.inbox.put(Received(msg, routed.values))
+        self.inbox.put(Received(msg, routed.values, routed.moment))

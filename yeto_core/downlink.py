@@ -26,7 +26,7 @@ import torch
 from yeto_core.codecs import BF16, F32, tensor_bytes
 from yeto_core.layout import Layout
 from yeto_core.wire.errors import ProtocolError, Refused
-from yeto_core.wire.messages import BCAST_DELTA, Bcast, Bye, Consensus, Error, Final, Message, Pull
+from yeto_core.wire.messages import BCAST_DELTA, BCAST_MOMENT, Bcast, Bye, Consensus, Error, Final, Message, Pull
 
 FULL = 0x1
 DELTA = 0x2
@@ -156,6 +156,19 @@ class BroadcastReader:
         self.bcast_delta = bcast_delta
         self.downlink = DownlinkDecoder(layout.num_fragments) if bcast_delta else None
 
+    def moment_of(self, msg: Bcast | Final,
+                  payload: memoryview | None) -> tuple[memoryview | None, torch.Tensor | None]:
+        """A BCAST_MOMENT payload split into its values' bytes and the merged first moment (f32, the
+        last fragment-sized part); any other payload as it is, with no moment."""
+        if not isinstance(msg, Bcast) or not msg.flags & BCAST_MOMENT or msg.fragment >= self.layout.num_fragments:
+            return payload, None
+        nbytes = F32.encoded_nbytes(self.layout.fragments[msg.fragment].numel)
+        if payload is None or len(payload) < nbytes:
+            raise ProtocolError(f"syncer sent BCAST of {0 if payload is None else len(payload)} bytes for fragment "
+                                f"{msg.fragment} with a first moment of {nbytes} bytes")
+        cut = len(payload) - nbytes
+        return payload[:cut], torch.frombuffer(payload[cut:], dtype=torch.float32) if nbytes else torch.empty(0)
+
     def values(self, msg: Bcast | Final, payload: memoryview | None) -> torch.Tensor:
         """The values, as a tensor over `payload` itself for a full f32 send (the caller's buffer,
         not copied) or a fresh one."""
@@ -180,6 +193,7 @@ class Routed:
     """What one message from the syncer means to the learner's link."""
 
     values: torch.Tensor | None = None  # a BCAST's or FINAL's fragment values
+    moment: torch.Tensor | None = None  # a BCAST's merged first moment, when it carries one (DESIGN §3.9)
     refusal: Refused | None = None  # a permanent ERROR: this learner is refused for good
     notice: Error | None = None  # any other ERROR: reported, and the link goes on
     consensus: bool = False  # the syncer speaks the consensus messages (it sent CONSENSUS)
@@ -200,7 +214,8 @@ class Downlink:
             if self.reader is None:
                 assert layout is not None, "a broadcast comes after WELCOME, which gives the layout"
                 self.reader = BroadcastReader(layout, bcast_delta=self.bcast_delta)
-            return Routed(values=self.reader.values(msg, payload))
+            payload, moment = self.reader.moment_of(msg, payload)
+            return Routed(values=self.reader.values(msg, payload), moment=moment)
         if isinstance(msg, Error):
             return Routed(refusal=Refused(msg.code, msg.reason)) if msg.code.permanent else Routed(notice=msg)
         if isinstance(msg, Consensus):

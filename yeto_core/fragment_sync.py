@@ -25,9 +25,10 @@ from collections.abc import Callable, Collection
 import torch
 
 from yeto_core.codecs import Codec
-from yeto_core.layout import Layout
+from yeto_core.layout import Fragment, Layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import PushJob
+from yeto_core.moments import OptimizerMoments
 from yeto_core.store import TensorStore, check_fragment_values, fragment_buffer, nonfinite_tensor
 from yeto_core.wire.messages import BCAST_MERGED, Bcast, Final, Message, Pull
 
@@ -50,23 +51,27 @@ class FragmentSync:
         self.blocking: frozenset[int] = frozenset()  # fragments waited for at their boundary (Mix2)
         self.queued: list[PushJob] = []  # pushes handed to the link and not yet accounted for, oldest first
         self.links = 0  # connections made so far (the syncer's attempt numbers restart with each)
+        self.moments: OptimizerMoments | None = None  # the optimizer's first moment, when shared (§3.9)
 
     def begin(self, layout: Layout, blocking: frozenset[int]) -> None:
         self.layout, self.blocking = layout, blocking
         self.fragments = [FragmentState() for _ in range(layout.num_fragments)]
 
-    def gather(self, index: int) -> torch.Tensor:
+    def fragment(self, index: int) -> Fragment:
         assert self.layout is not None
-        return self.store.gather(self.layout.fragments[index])
+        return self.layout.fragments[index]
+
+    def gather(self, index: int) -> torch.Tensor:
+        return self.store.gather(self.fragment(index))
 
     # -- what the syncer sent ----------------------------------------------------------------
-    def take(self, msg: Message, values: torch.Tensor | None) -> None:
+    def take(self, msg: Message, values: torch.Tensor | None, moment: torch.Tensor | None = None) -> None:
         if isinstance(msg, Pull):
             if self.fragments[msg.fragment].take_pull(msg, self.links):
                 self._replay(msg.fragment)
         elif isinstance(msg, Bcast):
             assert values is not None
-            self.fragments[msg.fragment].take_bcast(msg, values)
+            self.fragments[msg.fragment].take_bcast(msg, values, moment)
         elif isinstance(msg, Final):
             assert values is not None
             state = self.fragments[msg.fragment]
@@ -163,7 +168,8 @@ class FragmentSync:
             state.pull = None
             if not self._finite(pull, delta):
                 continue
-            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta)
+            moment = None if self.moments is None else self.moments.gather(self.fragment(pull.fragment))
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta, moment)
             state.sent = job
             self.queued.append(job)
             state.sent_link = self.links
@@ -184,7 +190,7 @@ class FragmentSync:
             return
         # Queued behind a push still streaming, if any: the link's sender streams them in order. A
         # replay must not wait for a boundary: a trainer between sweeps reaches none for a while.
-        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta)
+        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta, sent.moment)
         state.pull = None
         state.sent = job
         self.queued.append(job)
@@ -217,7 +223,7 @@ class FragmentSync:
             if state.bcast is None or index in hold:
                 continue
             msg, values = state.bcast
-            sent, marks = state.sent, state.sent_marks
+            sent, marks, moment = state.sent, state.sent_marks, state.bcast_moment
             if msg.version != state.version:
                 first = state.version < 0
                 # A released anchor (DONE sent, or this fragment's FINAL in) leaves nothing to rebase
@@ -230,6 +236,8 @@ class FragmentSync:
                 state.version = msg.version
                 self.stats.installs += 1
             if sent is not None and state.version > sent.base_version:
+                if moment is not None and sent.moment is not None and state.sent_marks is not None:
+                    self._share_moment(index, moment, sent.moment, self.stats.steps - state.sent_marks[1])
                 if state.sent_marks is not None:  # how far training ran ahead of this round
                     self.stats.round_trips += 1
                     self.stats.round_trip_steps += self.stats.steps - state.sent_marks[1]
@@ -238,7 +246,7 @@ class FragmentSync:
                 # fragment: each step is counted once per fragment, however long the round took.
                 if marks is not None:
                     state.tokens_mark, state.steps_mark = marks
-            state.bcast = None
+            state.bcast, state.bcast_moment = None, None
 
     def _rebase(self, state: FragmentState, index: int, msg: Bcast, values: torch.Tensor) -> bool:
         """Overlap (DESIGN §3.3, Mix1): θ ← Θ + (θ − base), and Θ becomes the anchor. `base` is θ at the push
@@ -275,6 +283,15 @@ class FragmentSync:
         state.anchor = values
         self.stats.rebases += int(merged)
         return merged
+
+    def _share_moment(self, index: int, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
+        """Take the fleet's first moment for the fragment in place of the one this island pushed,
+        keeping the `steps` trained since (DESIGN §3.9)."""
+        assert self.layout is not None
+        if self.moments is None or merged.numel() != pushed.numel():
+            return
+        self.moments.rebase(self.layout.fragments[index], merged, pushed, steps)
+        self.stats.moments_shared += 1
 
     def _as_merged(self, delta: torch.Tensor) -> torch.Tensor:
         """The delta as the syncer decoded it: with a lossy push codec the rounding error stays in

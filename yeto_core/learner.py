@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ from yeto_core.fragment_sync import FragmentSync
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import MONOTONIC, Clock, Connected, Inbound, InitWanted, Link, Lost, PushEnded, PushJob
+from yeto_core.moments import MomentError, OptimizerMoments
 from yeto_core.refusal import ProbeFailed, stop_if_refused
 from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Schedule
 from yeto_core.settings import LearnerSettings
@@ -116,6 +118,15 @@ class LearnerSession:
         s = self.settings
         return SyncerClient(s.endpoint(), s.link, codec=self.codec, sends_init=s.learner_id == 0,
                             faults=s.fault_injector())
+
+    def share_momentum(self, optimizer: Any) -> None:
+        """Share `optimizer`'s first moment of the synced tensors with the other islands (DESIGN
+        §3.9): the trainer's plugin calls this once its optimizer exists, when the settings ask
+        for it (`share_momentum`). Only a session over the live tensors (`named_params`) can."""
+        if not isinstance(self.store, LocalStore):
+            raise MomentError("YETO_DILOCO_SHARE_MOMENTUM needs the trainer's own tensors; this island's "
+                              f"{type(self.store).__name__} keeps them elsewhere")
+        self.sync.moments = OptimizerMoments(optimizer, list(self.store.params.items()))
 
     # -- what a driver may look at -------------------------------------------------------------
     @property
@@ -314,7 +325,7 @@ class LearnerSession:
         elif isinstance(event.msg, Consensus):
             self.stats.consensus_js, self.stats.fragment_l2 = metrics(event.msg)
         else:
-            self.sync.take(event.msg, event.values)
+            self.sync.take(event.msg, event.values, event.moment)
 
     def _tick(self, timeout_s: float) -> None:
         """One turn of a wait: let the island's other ranks follow, then take in events."""

@@ -37,6 +37,8 @@ FIGURES: tuple[tuple[str, str, str, Callable[[LearnerStats], float | None]], ...
     ("round_trip_steps", "counter", "steps trained from each such push to that install (÷ round_trips: the mean)",
      lambda s: s.round_trip_steps),
     ("rebases", "counter", "overlap installs that dropped a merged push from the weights", lambda s: s.rebases),
+    ("moments_shared", "counter", "installs that took the fleet's optimizer first moment (DESIGN §3.9)",
+     lambda s: s.moments_shared),
     ("blocked_seconds", "counter", "time steps waited for blocking fragments", lambda s: s.blocked_s),
     ("training_thread_seconds", "counter", "the training thread's time inside yeto (step and sweep calls, "
      "waits included)", lambda s: s.in_yeto_s),

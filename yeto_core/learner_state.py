@@ -25,6 +25,7 @@ class FragmentState:
     pull: Pull | None = None  # the newest PULL not answered yet
     pull_link: int = 0  # the connection it came on (attempt numbers restart with a syncer)
     bcast: tuple[Bcast, torch.Tensor] | None = None  # the newest BCAST not installed yet
+    bcast_moment: torch.Tensor | None = None  # the merged first moment that BCAST carried (DESIGN §3.9)
     final: tuple[Final, torch.Tensor] | None = None  # the final cut, installed when all are in
     sent: PushJob | None = None  # pushed; its round's BCAST not installed yet (replayed on a re-pull)
     sent_link: int = 0  # the connection `sent` last went out on
@@ -39,9 +40,10 @@ class FragmentState:
             return True
         return False
 
-    def take_bcast(self, msg: Bcast, values: torch.Tensor) -> None:
+    def take_bcast(self, msg: Bcast, values: torch.Tensor, moment: torch.Tensor | None = None) -> None:
         if self.bcast is None or msg.version >= self.bcast[0].version:
             self.bcast = (msg, values)
+            self.bcast_moment = moment
             self.closed = bool(msg.flags & BCAST_LAST)
 
     def unpushed(self, steps: int) -> bool:
@@ -76,6 +78,7 @@ class LearnerStats:
     round_trips: int = 0  # pushes whose round's BCAST was installed (committed with or without them)
     round_trip_steps: int = 0  # summed over those: steps trained from the push to that install
     rebases: int = 0  # overlap installs that dropped a merged push from θ (Mix1)
+    moments_shared: int = 0  # installs that moved the optimizer's first moment to the fleet's (DESIGN §3.9)
     blocked_s: float = 0.0  # time steps waited for blocking fragments (Mix2)
     in_yeto_s: float = 0.0  # the training thread's time inside `step` and `sweep`, waits included
     lockstep_misses: int = 0  # lockstep waits that ran out of time: the schedule was no longer pinned

@@ -56,6 +56,7 @@ class Received:
 
     msg: Message
     values: torch.Tensor | None = None
+    moment: torch.Tensor | None = None  # a BCAST's merged first moment (DESIGN §3.9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,7 @@ class PushJob:
     steps: int
     step_s: float | None
     delta: torch.Tensor
+    moment: torch.Tensor | None = None  # the optimizer's first moment at the push, sent after the delta
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str | None = None
     nbytes: int = 0  # wire bytes, once sent

@@ -87,7 +87,7 @@ class PushIntake:
                 if held is None or held.carried:  # a fresh answer from the same learner wins
                     attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens,
                                                             ev.msg.steps, delta, ev.msg.base_version, carried=True,
-                                                            origin=ev.msg.round)
+                                                            origin=ev.msg.round, moment=ev.moment)
             return
         attempt = self.shared.rounds.attempt_of(ev.msg.round)
         if attempt is None or attempt.attempt != ev.attempt:
@@ -95,7 +95,8 @@ class PushIntake:
                      ev.msg.round)
             return
         attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps, delta,
-                                                ev.msg.base_version, at=self.shared.now, origin=ev.msg.round)
+                                                ev.msg.base_version, at=self.shared.now, origin=ev.msg.round,
+                                                moment=ev.moment)
 
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         state, layout, rounds = self.shared.state, self.shared.layout, self.shared.rounds

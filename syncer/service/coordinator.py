@@ -72,7 +72,7 @@ from syncer.core.events import (
 )
 from syncer.core.leases import Leases
 from syncer.core.links import Phase, id_conflict
-from syncer.core.payload import decode_delta, init_values
+from syncer.core.payload import decode_push, init_values
 from syncer.core.protocol import SyncerProtocol
 from syncer.durability.checkpoint import CheckpointError, SyncerState
 from syncer.durability.checkpointing import DURABILITY_EXIT_CODE, Checkpointing, DurabilityLost
@@ -80,6 +80,7 @@ from syncer.durability.stopping import POLL_S, Stopped, StopRequest
 from syncer.durability.tape import EventTape
 from syncer.merge.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.merge.round_merge import PreparedMerge, RoundMerger
+from syncer.service.moments import MomentRelay
 from syncer.service.traffic import BroadcastTimer, ShellObserver, wire_size
 from yeto_core.buffers import BufferPool
 from yeto_core.codecs import tensor_bytes
@@ -87,9 +88,9 @@ from yeto_core.downlink import encode_broadcast
 from yeto_core.faults import FAULT_SEND_WAIT_S, NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.net.group import ConnectionGroup
-from yeto_core.net.tickets import SendTicket
+from yeto_core.net.tickets import Payload, SendTicket, payload_nbytes
 from yeto_core.settings import SyncerSettings
-from yeto_core.wire.messages import Bcast, Bye
+from yeto_core.wire.messages import MAX_BULK_PARTS, Bcast, Bye, Push
 
 log = logging.getLogger("yeto.syncer")
 
@@ -102,14 +103,17 @@ CUT_JOIN_S = 1.0  # for the threads of groups whose sockets were cut
 def decoded(effect: Decode, layout: Layout, device: torch.device) -> Decoded:
     """A push decoded (`effects.Decode`): its f32 delta on `device` (an f32 one a view of its payload
     on the CPU), or why it is unusable; a decoder that raises is a refusal, not a dead coordinator."""
+    moment = None
     try:
-        delta = decode_delta(layout, effect.msg, effect.payload, effect.codec, effect.screened)
-        if not isinstance(delta, str):
-            delta = delta.to(device)
+        parts = decode_push(layout, effect.msg, effect.payload, effect.codec, effect.screened)
+        if isinstance(parts, str):
+            delta: torch.Tensor | str = parts
+        else:
+            delta, moment = parts[0].to(device), None if parts[1] is None else parts[1].to(device)
     except Exception as exc:
         delta = f"decode failed: {exc}"
     return Decoded(effect.learner_id, effect.generation, effect.attempt, effect.msg, delta, inline=effect.inline,
-                   carried=effect.carried)
+                   carried=effect.carried, moment=moment)
 
 
 def answer(ask: CheckInit | Decode | Encode, layout: Layout, device: torch.device) -> Event:
@@ -165,6 +169,7 @@ class Coordinator:
         self._preparers = executor(settings.pipeline, "syncer-prepare")
         self._prepared: dict[int, tuple[int, Future[PreparedMerge]]] = {}  # attempt -> (round, its heavy half)
         self._merge_started = 0.0
+        self.moments = MomentRelay()  # the learners' first moments, averaged and broadcast back (DESIGN §3.9)
         self._committing: int | None = None  # the round whose commit's effects are being performed
 
     # -- read by server threads (immutable references, safe to read without a lock) -----------
@@ -181,7 +186,7 @@ class Coordinator:
 
     def max_payload(self) -> int:
         layout = self.protocol.layout
-        return max(f.numel for f in layout.fragments) * 4 if layout is not None else 0
+        return max(f.numel for f in layout.fragments) * 4 * MAX_BULK_PARTS if layout is not None else 0
 
     def initial_cut_ready(self) -> bool:
         return self.protocol.phase in (Phase.RUNNING, Phase.FINALIZING)
@@ -267,9 +272,12 @@ class Coordinator:
                     raise RuntimeError(f"the merge of round {ev.round} failed") from failure
             elif isinstance(ev, Left):
                 self._retire(self.groups.pop(Peer(ev.learner_id, ev.generation), None))
-            elif isinstance(ev, Got) and self.observer is not None:
-                codec, nbytes = wire_size(ev.msg, len(ev.payload) if ev.payload is not None else None)
-                self.observer.traffic("in", ev.learner_id, codec, nbytes)
+            elif isinstance(ev, Got):
+                if isinstance(ev.msg, Push):
+                    self.moments.heard(ev.learner_id, ev.msg)
+                if self.observer is not None:
+                    codec, nbytes = wire_size(ev.msg, len(ev.payload) if ev.payload is not None else None)
+                    self.observer.traffic("in", ev.learner_id, codec, nbytes)
             effects = self.protocol.handle(self.clock(), ev)
             if isinstance(ev, Merged):
                 self._committing = ev.round
@@ -372,13 +380,16 @@ class Coordinator:
         f = effect.committed
         if f is not None and f not in committed:
             committed[f] = self.committed_bytes(f)
-        payload = effect.payload if f is None else committed[f]
+        payload: Payload | None = effect.payload if f is None else committed[f]
         if effect.anchor is not None:  # a copy: the anchor moves in place with the next delta
             anchor = self.protocol.anchor(effect.anchor)
             payload = tensor_bytes(anchor.clone())
-        ticket = group.send(effect.msg, payload)
+        msg = effect.msg
+        if isinstance(msg, Bcast) and payload is not None:
+            msg, payload = self.moments.attach(effect.to.learner_id, msg, payload)
+        ticket = group.send(msg, payload)
         if self.observer is not None:
-            codec, nbytes = wire_size(effect.msg, None if payload is None else memoryview(payload).nbytes)
+            codec, nbytes = wire_size(msg, None if payload is None else payload_nbytes(payload))
             self.observer.traffic("out", effect.to.learner_id, codec, nbytes)
         if f is None:
             return ticket
@@ -451,4 +462,6 @@ class Coordinator:
             for stale in [a for a, (r, fut) in self._prepared.items() if r <= effect.round and fut.done()]:
                 del self._prepared[stale]
         outcome, back = self.merger.merge(lent, list(effect.answers), list(effect.segments), prepared=prepared)
+        if outcome.answers:  # the commit makes the fragment's next version, and its broadcasts carry this
+            self.moments.merged(f, lent.outer_steps + 1, outcome.moment)
         return Merged(effect.round, outcome, back)

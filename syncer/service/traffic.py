@@ -15,7 +15,7 @@ from typing import Protocol
 
 from yeto_core.codecs import WIRE_CODEC_NAMES
 from yeto_core.net.tickets import SendTicket
-from yeto_core.wire.messages import HEADER, Message
+from yeto_core.wire.messages import HEADER, PUSH_MOMENT, Message
 
 CONTROL = "control"  # the codec label of control frames (no bulk payload)
 
@@ -35,6 +35,7 @@ def wire_size(msg: Message, payload_bytes: int | None) -> tuple[str, int]:
     its codec's name (its small header frame is not counted), a control frame whole."""
     if msg.BULK:
         codec = int(getattr(msg, "codec", -1))
+        codec = codec & ~PUSH_MOMENT if codec >= 0 else codec  # a push's moment is counted under its codec
         nbytes = payload_bytes if payload_bytes is not None else int(getattr(msg, "nbytes", 0))
         return WIRE_CODEC_NAMES.get(codec, f"codec{codec}"), nbytes
     return CONTROL, HEADER.size + len(msg.encode())

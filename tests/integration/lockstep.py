@@ -132,3 +132,25 @@ def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faul
                     f"island {n} step {step}: the boundary pushed nothing (push in flight: "
                     f"{None if s.push is None else (s.push.pull, s.push.done.is_set())}, pulls {s.pending_pulls()})")
     return most
+
+
+def round_robin(islands: Sequence[Island], steps: int, syncer: Syncer) -> None:
+    """The product's own lockstep (`YETO_DILOCO_LOCKSTEP`): start the islands, step them in turn
+    `steps` times on this thread (the sessions wait for their pulls and merges themselves), then
+    finish every session; each must get the final cut without a lockstep wait running out."""
+    starts = [threading.Thread(target=i.start) for i in islands]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join(60)
+    for step in range(steps):
+        for island in islands:
+            assert not island.train_step(), f"the syncer finalized at step {step}"
+    done: list[bool] = []
+    finishes = [threading.Thread(target=lambda s=i.session: done.append(s.finish())) for i in islands]
+    for t in finishes:
+        t.start()
+    for t in finishes:
+        t.join(60)
+    assert done == [True] * len(islands), syncer.proc.tail()
+    assert [i.session.stats.lockstep_misses for i in islands] == [0] * len(islands)

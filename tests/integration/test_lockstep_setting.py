@@ -11,14 +11,13 @@ token ledger holds every trained token once per fragment.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import Procs, checkpoint_params, commits, start_syncer, syncer_exit_code
-from lockstep import SeededIsland
+from lockstep import SeededIsland, round_robin
 
 from syncer.durability.checkpoint import load_checkpoint, tokens_by_learner
 
@@ -36,22 +35,7 @@ def run(procs: Procs, key_file: Path, tag: str, trips: list[float] | None = None
     islands = [SeededIsland(syncer, key_file, i, lockstep=True, sync_interval=H, lockstep_timeout_s=30,
                             **settings) for i in range(2)]
     try:
-        starts = [threading.Thread(target=i.start) for i in islands]
-        for t in starts:
-            t.start()
-        for t in starts:
-            t.join(60)
-        for step in range(STEPS):
-            for island in islands:
-                assert not island.train_step(), f"the syncer finalized at step {step}"
-        done: list[bool] = []
-        finishes = [threading.Thread(target=lambda s=i.session: done.append(s.finish())) for i in islands]
-        for t in finishes:
-            t.start()
-        for t in finishes:
-            t.join(60)
-        assert done == [True, True], syncer.proc.tail()
-        assert [i.session.stats.lockstep_misses for i in islands] == [0, 0]
+        round_robin(islands, STEPS, syncer)
         if trips is not None:
             trips.extend(i.session.stats.round_trip_steps / i.session.stats.round_trips for i in islands)
     finally:

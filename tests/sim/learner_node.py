@@ -249,7 +249,7 @@ class SimLink:
         self.initial_cut_received |= routed.values is not None
         self.refused = self.refused or routed.refusal
         self.syncer_consensus |= routed.consensus
-        self.inbox.append(Received(msg, routed.values))
+        self.inbox.append(Received(msg, routed.values, routed.moment))
         self._poke()
 
     def _poke(self) -> None:

@@ -16,7 +16,7 @@ from yeto_core.probe import ProbeResult
 from yeto_core.sections import Schedule
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire.errors import Refused
-from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, BCAST_MERGED, Bcast, Final, Message, Pull
+from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, BCAST_MERGED, BCAST_MOMENT, Bcast, Final, Message, Pull
 
 
 class FakeClock:
@@ -67,9 +67,11 @@ class MemoryLink:
         self.events.append(Received(Pull(round_id, attempt, fragment, version)))
 
     def bcast(self, fragment: int, version: int, round_id: int, values: torch.Tensor, *, merged: bool = False,
-              last: bool = False) -> None:
+              last: bool = False, moment: torch.Tensor | None = None) -> None:
         flags = BCAST_FULL | (BCAST_MERGED if merged else 0) | (BCAST_LAST if last else 0)
-        self.events.append(Received(Bcast(fragment, version, round_id, flags, 0, 0, 0), values.clone()))
+        flags |= BCAST_MOMENT if moment is not None else 0
+        self.events.append(Received(Bcast(fragment, version, round_id, flags, 0, 0, 0), values.clone(),
+                                    None if moment is None else moment.clone()))
 
     def final(self, fragment: int, version: int, values: torch.Tensor, rounds: int = 1) -> None:
         self.events.append(Received(Final(fragment, version, self.num_fragments, rounds, 0, 0, 0), values.clone()))

@@ -47,6 +47,7 @@ from yeto_core.wire.messages import (
     HELLO_OVERLAP,
     HELLO_SENDS_MANIFEST,
     MAGIC,
+    MAX_BULK_PARTS,
     PROTOCOL_VERSION,
     Attach,
     BwProbe,
@@ -162,7 +163,8 @@ def test_learner_0_describes_the_model_after_welcome(bytewise: bool) -> None:
     assert isinstance(learned[-1], Welcomed)
     [event] = admitted
     assert isinstance(event, Admitted) and event.manifest == Manifest(4, "binpack", SPECS)
-    assert event.payload_bound == max(f.numel for f in LAYOUT.fragments) * 4
+    # a fragment's f32 values and its first moment (PUSH_MOMENT): the largest bulk payload
+    assert event.payload_bound == max(f.numel for f in LAYOUT.fragments) * 4 * MAX_BULK_PARTS
     assert theirs.state is HandshakeState.JOINED
 
 

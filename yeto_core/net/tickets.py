@@ -22,6 +22,45 @@ class LazyPayload(Protocol):
 Payload = bytes | bytearray | memoryview | LazyPayload
 
 
+def _bytes_view(payload: Payload) -> memoryview | LazyPayload:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return memoryview(payload).cast("B")
+    return payload
+
+
+def payload_nbytes(payload: Payload) -> int:
+    return _bytes_view(payload).nbytes
+
+
+class Concatenated:
+    """One bulk payload made of several, back to back, none of them copied ahead: each part is
+    read (or produced, if lazy) only for the byte ranges the sender threads ask of it."""
+
+    def __init__(self, parts: list[Payload]) -> None:
+        self._parts: list[tuple[int, memoryview | LazyPayload]] = []
+        start = 0
+        for part in parts:
+            view = _bytes_view(part)
+            self._parts.append((start, view))
+            start += view.nbytes
+        self.nbytes = start
+
+    def fill(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        end = offset + len(out)
+        if offset < 0 or end > self.nbytes:
+            raise ValueError(f"bytes [{offset}, {end}) are outside the {self.nbytes}-byte payload")
+        for start, part in self._parts:
+            lo, hi = max(offset, start), min(end, start + part.nbytes)
+            if lo >= hi:
+                continue
+            target = out[lo - offset : hi - offset]
+            if isinstance(part, memoryview):
+                target[:] = part[lo - start : hi - start]
+            else:
+                part.fill(lo - start, target)
+
+
 class SendTicket:
     """Completion of one outgoing bulk transfer (its header and all its chunks handed to the
     kernel), or of one control frame."""

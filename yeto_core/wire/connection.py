@@ -33,6 +33,7 @@ from yeto_core.wire.messages import (
     HELLO_SENDS_MANIFEST,
     HELLO_SWEEP_OVERLAP,
     HELLO_SWEEPS,
+    MAX_BULK_PARTS,
     MAX_CONTROL_BODY,
     Attach,
     BwProbe,
@@ -368,7 +369,7 @@ class SyncerHandshake(Handshake):
         if layout.fingerprint != self.hello.fingerprint:
             raise Refused(ErrorCode.LAYOUT, f"learner {lid}'s manifest does not produce the fingerprint it sent "
                           "in HELLO")
-        bound = max(f.numel for f in layout.fragments) * 4
+        bound = max(f.numel for f in layout.fragments) * 4 * MAX_BULK_PARTS
         return S.JOINED, [Admitted(self.hello, self.token, self._generation, manifest, bound)]
 
     def _on_attach(self, attach: Attach) -> tuple[HandshakeState, list[Event]]:

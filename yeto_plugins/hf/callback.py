@@ -29,9 +29,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from yeto_core.island import IslandSession
 from yeto_core.learner import LearnerSession
+from yeto_core.moments import MomentError
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.builder import build_island
-from yeto_plugins.exits import island_exit
+from yeto_plugins.exits import island_exit, settings_exit
 from yeto_plugins.hf.consensus import consensus_logs
 
 
@@ -65,8 +66,22 @@ class YetoDiLoCo(TrainerCallback):
         on_final = "training stops and the Trainer saves it" if args.save_strategy != "no" else "training stops"
         # DDP, FSDP2 or ZeRO (world_size > 1): the island is every process of the Trainer
         self.island = build_island(self.settings, model, collective=args.world_size > 1, on_final=on_final)
+        if self.settings.share_momentum:
+            with settings_exit():  # one line naming the setting, exit 2
+                self._share_momentum(args, kwargs.get("optimizer"))
         with island_exit():  # a link too slow to join ends the process with code 75 and one line
             self.island.start(first_step=state.global_step)
+
+    def _share_momentum(self, args: TrainingArguments, optimizer: Any) -> None:
+        """Hand the Trainer's optimizer to the session (DESIGN §3.9). The Trainer builds it before
+        `on_train_begin` (`Trainer._prepare_for_training` updates the callback handler's references)."""
+        if args.world_size > 1:
+            raise MomentError("YETO_DILOCO_SHARE_MOMENTUM is for a single-process island for now; this "
+                              f"Trainer runs {args.world_size} processes")
+        if optimizer is None:
+            raise MomentError("YETO_DILOCO_SHARE_MOMENTUM: the Trainer passed no optimizer to the callback")
+        assert self.island is not None and self.island.session is not None
+        self.island.session.share_momentum(optimizer)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:
@@ -99,6 +114,8 @@ class YetoDiLoCo(TrainerCallback):
                                        "yeto_seconds": round(stats.in_yeto_s, 3)}  # this rank's training thread
             if stats.learner is not None:  # DESIGN §8: the syncer's latest consensus figures (rank 0)
                 figures.update(consensus_logs(stats.learner))
+                if self.settings.share_momentum:  # DESIGN §3.9
+                    figures["yeto_moments_shared"] = stats.learner.moments_shared
             if self.final_installed:
                 figures["yeto_final_cut"] = 1
             logs.update(figures)

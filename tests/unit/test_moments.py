@@ -1,0 +1,290 @@
+"""The shared first moment (DESIGN §3.9): read from the optimizer, carried after a push's delta,
+averaged by the merge, carried back after a broadcast's values and folded into the optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from learner_harness import hand_fed
+
+from syncer.core.payload import decode_push, payload_problem, payload_screen
+from syncer.core.rounds import Answer
+from syncer.merge.round_merge import merged_moment
+from syncer.service.moments import HELD_MERGES, MomentRelay
+from yeto_core.codecs import BF16, F32, Bf16Parts, codec_by_name, tensor_bytes
+from yeto_core.downlink import BroadcastReader
+from yeto_core.layout import Layout, build_layout, specs_from_named_tensors
+from yeto_core.link import PushJob
+from yeto_core.moments import MomentError, OptimizerMoments
+from yeto_core.net.tickets import Concatenated
+from yeto_core.uplink import PushEncoder
+from yeto_core.wire.errors import ProtocolError
+from yeto_core.wire.messages import BCAST_FULL, BCAST_MOMENT, PUSH_MOMENT, Bcast, Pull, Push
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def two_tensors() -> tuple[list[tuple[str, torch.nn.Parameter]], Layout]:
+    named = [("a", torch.nn.Parameter(torch.zeros(2, 3))), ("b", torch.nn.Parameter(torch.zeros(4)))]
+    layout = build_layout(specs_from_named_tensors(named), 1, "binpack")
+    return named, layout
+
+
+def adam_steps(named: list[tuple[str, torch.nn.Parameter]], opt: torch.optim.Optimizer, steps: int,
+               seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+def test_gather_reads_adams_first_moment_in_layout_order_once_it_exists() -> None:
+    named, layout = two_tensors()
+    opt = torch.optim.AdamW([p for _, p in named], lr=0.1, betas=(0.8, 0.99))
+    moments = OptimizerMoments(opt, named)
+    fragment = layout.fragments[0]
+    assert moments.gather(fragment) is None  # no step yet: no state
+    adam_steps(named, opt, 3)
+    got = moments.gather(fragment)
+    assert got is not None
+    want = {s.name: opt.state[dict(named)[s.name]]["exp_avg"].reshape(-1) for s in fragment.slots}
+    for slot in fragment.slots:
+        assert torch.equal(got[slot.offset : slot.offset + slot.numel], want[slot.name])
+
+
+def test_rebase_replaces_the_pushed_moment_by_the_merged_one_decayed_by_the_steps_since() -> None:
+    named, layout = two_tensors()
+    opt = torch.optim.AdamW([p for _, p in named], lr=0.1, betas=(0.8, 0.99))
+    moments = OptimizerMoments(opt, named)
+    fragment = layout.fragments[0]
+    adam_steps(named, opt, 2)
+    pushed = moments.gather(fragment)
+    assert pushed is not None
+    adam_steps(named, opt, 3, seed=1)  # three steps trained since the push
+    held = moments.gather(fragment)
+    merged = pushed + torch.linspace(-1, 1, fragment.numel)
+    moments.rebase(fragment, merged, pushed, 3)
+    after = moments.gather(fragment)
+    assert after is not None
+    torch.testing.assert_close(after, held + 0.8**3 * (merged - pushed), rtol=0, atol=1e-7)
+
+
+def test_the_rebased_moment_is_what_the_merged_one_would_have_become() -> None:
+    """m ← β·m + (1 − β)·g is linear: starting those steps from m̄ gives exactly the rebased value."""
+    named, layout = two_tensors()
+    opt = torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9)
+    moments = OptimizerMoments(opt, named)
+    fragment = layout.fragments[0]
+    adam_steps(named, opt, 2)
+    pushed = moments.gather(fragment)
+    assert pushed is not None
+    merged = pushed * 0.5 + 1.0
+    twin_named, _ = two_tensors()
+    twin = torch.optim.SGD([p for _, p in twin_named], lr=0.1, momentum=0.9)
+    adam_steps(twin_named, twin, 2)
+    twin_moments = OptimizerMoments(twin, twin_named)
+    twin_moments.rebase(fragment, merged, pushed, 0)  # the twin takes m̄ at the push itself
+    adam_steps(named, opt, 4, seed=1)
+    adam_steps(twin_named, twin, 4, seed=1)
+    moments.rebase(fragment, merged, pushed, 4)
+    a, b = moments.gather(fragment), twin_moments.gather(fragment)
+    assert a is not None and b is not None
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_an_optimizer_without_a_first_moment_or_a_tensor_it_does_not_own_is_refused() -> None:
+    named, _ = two_tensors()
+    with pytest.raises(MomentError, match=r"SHARE_MOMENTUM.*keeps no first moment"):
+        OptimizerMoments(torch.optim.SGD([p for _, p in named], lr=0.1), named)
+    with pytest.raises(MomentError, match="'b' is not among the optimizer's parameters"):
+        OptimizerMoments(torch.optim.AdamW([named[0][1]]), named)
+    with pytest.raises(MomentError, match="not a torch optimizer"):
+        OptimizerMoments(object(), named)
+
+
+def test_a_trainers_wrapper_is_looked_through() -> None:
+    named, layout = two_tensors()
+    opt = torch.optim.AdamW([p for _, p in named])
+
+    class Wrapped:  # accelerate's AcceleratedOptimizer keeps the torch one as `.optimizer`
+        optimizer = opt
+
+    moments = OptimizerMoments(Wrapped(), named)
+    adam_steps(named, opt, 1)
+    assert moments.gather(layout.fragments[0]) is not None
+
+
+def test_a_non_finite_moment_is_not_sent() -> None:
+    named, layout = two_tensors()
+    opt = torch.optim.AdamW([p for _, p in named])
+    adam_steps(named, opt, 1)
+    opt.state[named[1][1]]["exp_avg"][2] = float("nan")
+    assert OptimizerMoments(opt, named).gather(layout.fragments[0]) is None
+
+
+@pytest.mark.parametrize("codec_name", ["f32", "bf16", "int8", "int4"])
+def test_a_push_carries_its_moment_after_the_delta_and_the_syncer_reads_both_back(codec_name: str) -> None:
+    codec = codec_by_name(codec_name)
+    _, layout = two_tensors()
+    n = layout.fragments[0].numel
+    delta, moment = torch.linspace(-1, 1, n), torch.linspace(2, -3, n)
+    job = PushJob(Pull(3, 1, 0, 2), 2, 100, 4, None, delta, moment)
+    msg, payload, nbytes = PushEncoder(codec).encode(job)
+    assert msg.codec == codec.wire_id | PUSH_MOMENT and nbytes == 2 * codec.encoded_nbytes(n)
+    wire = bytearray(nbytes)
+    if isinstance(payload, memoryview):
+        wire[:] = payload
+    else:
+        payload.fill(0, memoryview(wire))
+    assert payload_problem(layout, msg, memoryview(wire), codec) is None
+    screen = payload_screen(msg)
+    screened = None if screen is None else screen(memoryview(wire))
+    parts = decode_push(layout, msg, memoryview(wire), codec, screened)
+    assert not isinstance(parts, str)
+    got_delta, got_moment = parts
+    assert got_moment is not None
+    for sent, got in ((delta, got_delta), (moment, got_moment)):
+        one = bytearray(codec.encoded_nbytes(n))
+        codec.encode(sent, memoryview(one))
+        want = torch.empty(n)
+        codec.decode(memoryview(one), want)
+        assert torch.equal(got, want)  # each part exactly as its codec alone carries it
+
+
+def test_a_push_without_the_moment_bit_may_not_be_twice_as_long() -> None:
+    _, layout = two_tensors()
+    n = layout.fragments[0].numel
+    msg = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id)
+    assert "expected" in (payload_problem(layout, msg, memoryview(bytearray(8 * n)), F32) or "")
+    with_bit = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id | PUSH_MOMENT)
+    assert "expected" in (payload_problem(layout, with_bit, memoryview(bytearray(4 * n)), F32) or "")
+    bad = torch.cat([torch.zeros(n), torch.full((n,), float("inf"))])
+    assert "first moment" in str(decode_push(layout, with_bit, tensor_bytes(bad), F32))
+
+
+def test_concatenated_payloads_fill_any_range_with_the_parts_back_to_back() -> None:
+    a = torch.arange(5, dtype=torch.float32)
+    b = torch.linspace(-2, 2, 7)
+    joined = Concatenated([tensor_bytes(a), Bf16Parts(b), b"xyz"])
+    whole = bytes(tensor_bytes(a)) + bytes(bytearray(BF16.encoded_nbytes(7))) + b"xyz"
+    expect = bytearray(whole)
+    Bf16Parts(b).fill(0, memoryview(expect)[20 : 20 + 14])
+    assert joined.nbytes == len(expect)
+    for start, end in ((0, len(expect)), (3, 25), (19, 21), (20, 34), (33, len(expect))):
+        out = bytearray(end - start)
+        joined.fill(start, memoryview(out))
+        assert bytes(out) == bytes(expect[start:end])
+    with pytest.raises(ValueError):
+        joined.fill(len(expect) - 1, memoryview(bytearray(2)))
+
+
+def answer(lid: int, moment: torch.Tensor | None) -> Answer:
+    return Answer(lid, 1, 100, 4, torch.zeros(3), 0, moment=moment)
+
+
+def test_the_merged_moment_is_weighted_like_the_merge_over_those_that_sent_one() -> None:
+    m0, m2 = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, -1.0])
+    got = merged_moment([answer(0, m0), answer(1, None), answer(2, m2)], [0.25, 0.5, 0.25])
+    assert got is not None and torch.equal(got, (m0 + m2) / 2)
+    got = merged_moment([answer(0, m0), answer(2, m2)], [0.75, 0.25])
+    assert got is not None and torch.allclose(got, 0.75 * m0 + 0.25 * m2)
+    assert merged_moment([answer(0, None)], [1.0]) is None
+
+
+def test_the_relay_adds_the_moment_only_for_sharers_and_the_version_its_merge_made() -> None:
+    relay = MomentRelay()
+    pushed = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id | PUSH_MOMENT)
+    relay.heard(1, pushed)
+    relay.heard(2, Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id))
+    moment = torch.tensor([1.0, -1.0])
+    relay.merged(0, 3, moment)
+    values = tensor_bytes(torch.tensor([5.0, 6.0]))
+    msg = Bcast(0, 3, 3, BCAST_FULL, 0, 0, F32.wire_id)
+    sent, payload = relay.attach(1, msg, values)
+    assert sent.flags == BCAST_FULL | BCAST_MOMENT
+    out = bytearray(16)
+    payload.fill(0, memoryview(out))  # type: ignore[union-attr]
+    assert torch.equal(torch.frombuffer(out, dtype=torch.float32), torch.tensor([5.0, 6.0, 1.0, -1.0]))
+    assert relay.attach(2, msg, values) == (msg, values)  # learner 2 does not share
+    other = Bcast(0, 4, 4, BCAST_FULL, 0, 0, F32.wire_id)
+    assert relay.attach(1, other, values) == (other, values)  # another version
+    for version in range(4, 4 + HELD_MERGES):
+        relay.merged(0, version, moment)
+    assert relay.attach(1, msg, values) == (msg, values)  # no longer held: memory stays bounded
+    relay.heard(1, Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id))  # it stopped sharing
+    assert 1 not in relay.sharing
+
+
+def test_the_learner_splits_a_broadcast_into_values_and_moment() -> None:
+    _, layout = two_tensors()
+    n = layout.fragments[0].numel
+    reader = BroadcastReader(layout, bcast_delta=False)
+    values, moment = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.5)
+    wire = memoryview(bytearray(bytes(tensor_bytes(values)) + bytes(tensor_bytes(moment))))
+    msg = Bcast(0, 1, 1, BCAST_FULL | BCAST_MOMENT, 0, 0, F32.wire_id)
+    rest, got = reader.moment_of(msg, wire)
+    assert got is not None and torch.equal(got, moment)
+    assert torch.equal(reader.values(msg, rest), values)
+    with pytest.raises(ProtocolError, match="first moment"):
+        reader.moment_of(msg, wire[: 4 * n - 4])
+    plain = Bcast(0, 1, 1, BCAST_FULL, 0, 0, F32.wire_id)
+    assert reader.moment_of(plain, wire)[1] is None
+
+
+def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -> None:
+    """Hand-fed: AdamW on one tensor, H = 2, one fragment, overlap on."""
+    theta = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([theta], lr=0.01, betas=(0.9, 0.999))
+    session, link, _, _ = hand_fed([("w", theta)], overlap=True)
+    session.share_momentum(opt)
+    gen = torch.Generator().manual_seed(0)
+
+    def train() -> None:
+        theta.grad = torch.randn(4, generator=gen)
+        opt.step()
+        session.step(tokens=10)
+
+    link.bcast(0, 0, 0, torch.zeros(4))
+    session.start()
+    train()
+    link.pull(0, 0, 0)
+    train()  # step 2: the boundary pushes round 0 with the moment of now
+    (job,) = link.jobs
+    assert job.moment is not None and torch.equal(job.moment, opt.state[theta]["exp_avg"])
+    train()  # step 3, trained while the round merges
+    fleet = job.moment * 0.5 + 0.25
+    link.bcast(0, 1, 0, job.delta.clone(), merged=True, moment=fleet)
+    theta.grad = torch.randn(4, generator=gen)
+    opt.step()  # step 4's optimizer step; its session.step installs the broadcast
+    held = opt.state[theta]["exp_avg"].clone()
+    session.step(tokens=10)
+    assert torch.allclose(opt.state[theta]["exp_avg"], held + 0.9**2 * (fleet - job.moment), rtol=0, atol=1e-6)
+    assert session.stats.moments_shared == 1
+
+
+def test_a_session_without_a_shared_optimizer_ignores_a_broadcasts_moment() -> None:
+    theta = torch.nn.Parameter(torch.zeros(4))
+    session, link, _, _ = hand_fed([("w", theta)], overlap=True)
+    link.bcast(0, 0, 0, torch.zeros(4))
+    session.start()
+    session.step(tokens=10)
+    link.pull(0, 0, 0)
+    theta.data.add_(1.0)
+    session.step(tokens=10)
+    (job,) = link.jobs
+    assert job.moment is None
+    link.bcast(0, 1, 0, job.delta.clone(), merged=True, moment=torch.ones(4))
+    session.step(tokens=10)
+    assert session.stats.installs == 2 and session.stats.moments_shared == 0
+
+
+def test_a_plugin_turns_a_moment_it_cannot_share_into_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from yeto_plugins.exits import settings_exit
+
+    named, _ = two_tensors()
+    with pytest.raises(SystemExit) as ended, settings_exit():
+        OptimizerMoments(torch.optim.SGD([p for _, p in named], lr=0.1), named)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "YETO_DILOCO_SHARE_MOMENTUM" in err and "Traceback" not in err
