@@ -33,7 +33,9 @@ still sees the tokens of every other arm (`fleet_share` < 1 takes only that shar
 stopped early); with `lockstep_threads`, every island takes its `steps`
 and waits for the slow one at every round (the lock-step reference). The inner
 loop is the HF Trainer's defaults as the example sets them (AdamW, no weight decay, gradient
-clipping at 1.0, the shape's schedule after a linear warm-up).
+clipping at 1.0, the shape's schedule after a linear warm-up). With `share_momentum` in its
+learner settings each island hands its AdamW to its session, as the HF callback hands over the
+Trainer's (DESIGN §3.9).
 
 The global model's held-out loss is taken along the way from the fragments' anchors (the merged
 values every island last installed, identical on all of them) and at the end from the final
