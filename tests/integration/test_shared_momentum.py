@@ -34,15 +34,15 @@ STEPS = 31
 H = 8  # with 4 fragments, a boundary every 2 steps
 
 
-def run(procs: Procs, key_file: Path, tag: str, *, share: bool) -> tuple[dict[str, torch.Tensor], list, list[int]]:
+def run(procs: Procs, key_file: Path, tag: str, *,
+        share: tuple[bool, bool]) -> tuple[dict[str, torch.Tensor], list, list[int]]:
     syncer = start_syncer(procs, key_file=key_file, tape_name=f"{tag}.jsonl", checkpoint_name=f"{tag}.safetensors",
                           extra=["--sync-interval-steps", "0", "--pipeline", "2"])
-    settings: dict[str, Any] = {"lockstep": True, "sync_interval": H, "lockstep_timeout_s": 30,
-                                "share_momentum": share}
-    islands = [SeededIsland(syncer, key_file, i, **settings) for i in range(2)]
-    for island in islands:  # AdamW, as a Trainer builds it: its exp_avg is the moment shared
+    settings: dict[str, Any] = {"lockstep": True, "sync_interval": H, "lockstep_timeout_s": 30}
+    islands = [SeededIsland(syncer, key_file, i, share_momentum=share[i], **settings) for i in range(2)]
+    for island, shares in zip(islands, share, strict=True):  # AdamW, as a Trainer builds it
         island.opt = torch.optim.AdamW(island.model.parameters(), lr=0.01)
-        if share:
+        if shares:
             island.session.share_momentum(island.opt)
     try:
         round_robin(islands, STEPS, syncer)
@@ -63,18 +63,24 @@ def run(procs: Procs, key_file: Path, tag: str, *, share: bool) -> tuple[dict[st
 
 @pytest.mark.timeout(240)
 def test_shared_moments_reach_the_optimizers_and_the_run_stays_reproducible(procs: Procs, key_file: Path) -> None:
-    first, tape, shared = run(procs, key_file, "share-a", share=True)
+    first, tape, shared = run(procs, key_file, "share-a", share=(True, True))
     rounds = len(tape)
     # Every push follows an optimizer step, so each carries a moment, and under lockstep each
     # round's broadcast is installed at the step after its push: every round brings the average back.
     assert shared == [rounds, rounds], (shared, rounds)
-    second, tape2, _ = run(procs, key_file, "share-b", share=True)
+    second, tape2, _ = run(procs, key_file, "share-b", share=(True, True))
     for name, value in first.items():
         assert torch.equal(value, second[name]), f"{name} differs between two runs with shared moments"
     assert [(c["round"], c["weights"]) for c in tape] == [(c["round"], c["weights"]) for c in tape2]
-    alone, _, none = run(procs, key_file, "own", share=False)
+    alone, _, none = run(procs, key_file, "own", share=(False, False))
     assert none == [0, 0]
     assert any(not torch.equal(value, alone[name]) for name, value in first.items())
+
+
+@pytest.mark.timeout(120)
+def test_an_island_that_does_not_share_gets_no_moment_and_the_other_still_does(procs: Procs, key_file: Path) -> None:
+    _, tape, shared = run(procs, key_file, "mixed", share=(True, False))
+    assert shared == [len(tape), 0], shared
 
 
 @pytest.mark.timeout(240)

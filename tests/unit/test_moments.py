@@ -288,3 +288,40 @@ def test_a_plugin_turns_a_moment_it_cannot_share_into_one_line_and_exit_2(capsys
     assert ended.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "YETO_DILOCO_SHARE_MOMENTUM" in err and "Traceback" not in err
+
+
+def test_a_round_pulled_again_gets_the_same_moment_and_a_round_without_us_still_shares() -> None:
+    """A re-pull after a lost connection replays the push as it was, moment included; a round
+    that committed without this island's push still brings the fleet's moment, rebased on ours."""
+    theta = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([theta], lr=0.01, momentum=0.5)
+    session, link, _, _ = hand_fed([("w", theta)], overlap=True)
+    session.share_momentum(opt)
+
+    def train() -> None:
+        theta.grad = torch.full((4,), 1.0)
+        opt.step()
+        session.step(tokens=10)
+
+    link.bcast(0, 0, 0, torch.zeros(4))
+    session.start()
+    train()
+    link.pull(0, 0, 0)
+    train()
+    first = link.jobs[0]
+    assert first.moment is not None
+    train()  # the moment moves on; the replay must not pick that up
+    link.lose()
+    link.connect()
+    link.pull(0, 0, 0, attempt=2)
+    session.pump(0.0)
+    replay = link.jobs[1]
+    assert replay.pull.attempt == 2 and replay.moment is first.moment and torch.equal(replay.delta, first.delta)
+    fleet = torch.full((4,), 3.0)
+    link.bcast(0, 1, 0, torch.full((4,), 0.5), merged=False, moment=fleet)  # committed without us
+    theta.grad = torch.full((4,), 1.0)
+    opt.step()
+    held = opt.state[theta]["momentum_buffer"].clone()
+    session.step(tokens=10)
+    steps = 2  # from the push at step 2 to this install at step 4
+    assert torch.allclose(opt.state[theta]["momentum_buffer"], held + 0.5**steps * (fleet - first.moment))
