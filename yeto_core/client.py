@@ -27,6 +27,7 @@ from yeto_core.downlink import AnchorMismatch, Downlink
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.link import Connected, Inbound, LayoutFor, Lost, PushJob, Received
+from yeto_core.moments import max_bulk_bytes
 from yeto_core.net.dial import dial
 from yeto_core.net.group import ConnectionGroup
 from yeto_core.probe import ProbeResult, measure_link
@@ -36,7 +37,6 @@ from yeto_core.wire.connection import LearnerHandshake
 from yeto_core.wire.errors import ConnectionClosed, ProtocolError, Refused
 from yeto_core.wire.messages import (
     INSTANCE_BYTES,
-    MAX_BULK_PARTS,
     Bye,
     Done,
     Message,
@@ -193,7 +193,7 @@ class SyncerClient:
                                       name=f"learner{self.learner_id}")
         assert hs.layout is not None
         layout = self.layout = hs.layout
-        max_payload = max(f.numel for f in layout.fragments) * 4 * MAX_BULK_PARTS + MAX_DOWNLINK_MARGIN
+        max_payload = max_bulk_bytes(layout) + MAX_DOWNLINK_MARGIN
         self.syncer_consensus = False
         group = ConnectionGroup(
             control, data, name=f"learner{self.learner_id}", on_message=self._on_message,

@@ -25,6 +25,7 @@ import torch
 
 from yeto_core.codecs import BF16, F32, tensor_bytes
 from yeto_core.layout import Layout
+from yeto_core.moments import decode_moment, moment_nbytes
 from yeto_core.wire.errors import ProtocolError, Refused
 from yeto_core.wire.messages import BCAST_DELTA, BCAST_MOMENT, Bcast, Bye, Consensus, Error, Final, Message, Pull
 
@@ -158,16 +159,21 @@ class BroadcastReader:
 
     def moment_of(self, msg: Bcast | Final,
                   payload: memoryview | None) -> tuple[memoryview | None, torch.Tensor | None]:
-        """A BCAST_MOMENT payload split into its values' bytes and the merged first moment (f32, the
-        last fragment-sized part); any other payload as it is, with no moment."""
-        if not isinstance(msg, Bcast) or not msg.flags & BCAST_MOMENT or msg.fragment >= self.layout.num_fragments:
+        """A BCAST_MOMENT payload split into its values' bytes and the merged first moment of the
+        model (its last `moment_nbytes`, DESIGN §3.9); any other payload as it is, with no moment."""
+        if not isinstance(msg, Bcast) or not msg.flags & BCAST_MOMENT:
             return payload, None
-        nbytes = F32.encoded_nbytes(self.layout.fragments[msg.fragment].numel)
+        nbytes = moment_nbytes(self.layout)
         if payload is None or len(payload) < nbytes:
             raise ProtocolError(f"syncer sent BCAST of {0 if payload is None else len(payload)} bytes for fragment "
                                 f"{msg.fragment} with a first moment of {nbytes} bytes")
         cut = len(payload) - nbytes
-        return payload[:cut], torch.frombuffer(payload[cut:], dtype=torch.float32) if nbytes else torch.empty(0)
+        try:
+            moment = decode_moment(self.layout, payload[cut:])
+        except ValueError as exc:
+            raise ProtocolError(f"syncer sent BCAST for fragment {msg.fragment} with a bad first moment: "
+                                f"{exc}") from None
+        return payload[:cut], moment
 
     def values(self, msg: Bcast | Final, payload: memoryview | None) -> torch.Tensor:
         """The values, as a tensor over `payload` itself for a full f32 send (the caller's buffer,

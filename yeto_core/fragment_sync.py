@@ -28,7 +28,7 @@ from yeto_core.codecs import Codec
 from yeto_core.layout import Fragment, Layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import PushJob
-from yeto_core.moments import OptimizerMoments
+from yeto_core.moments import OptimizerMoments, decode_moment, encode_moment
 from yeto_core.store import TensorStore, check_fragment_values, fragment_buffer, nonfinite_tensor
 from yeto_core.wire.messages import BCAST_MERGED, Bcast, Final, Message, Pull
 
@@ -168,7 +168,7 @@ class FragmentSync:
             state.pull = None
             if not self._finite(pull, delta):
                 continue
-            moment = None if self.moments is None else self.moments.gather(self.fragment(pull.fragment))
+            moment = self._moment_to_push()
             job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta, moment)
             state.sent = job
             self.queued.append(job)
@@ -237,7 +237,7 @@ class FragmentSync:
                 self.stats.installs += 1
             if sent is not None and state.version > sent.base_version:
                 if moment is not None and sent.moment is not None and state.sent_marks is not None:
-                    self._share_moment(index, moment, sent.moment, self.stats.steps - state.sent_marks[1])
+                    self._share_moment(moment, sent.moment, self.stats.steps - state.sent_marks[1])
                 if state.sent_marks is not None:  # how far training ran ahead of this round
                     self.stats.round_trips += 1
                     self.stats.round_trip_steps += self.stats.steps - state.sent_marks[1]
@@ -284,13 +284,22 @@ class FragmentSync:
         self.stats.rebases += int(merged)
         return merged
 
-    def _share_moment(self, index: int, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
-        """Take the fleet's first moment for the fragment in place of the one this island pushed,
-        keeping the `steps` trained since (DESIGN §3.9)."""
+    def _moment_to_push(self) -> torch.Tensor | None:
+        """Every synced tensor's first moment as the syncer will decode it (DESIGN §3.9): kept with
+        the push, so an install replaces exactly what the fleet's average was made of."""
+        if self.moments is None:
+            return None
+        assert self.layout is not None
+        moment = self.moments.gather_all(self.layout)
+        return None if moment is None else decode_moment(self.layout, encode_moment(moment))
+
+    def _share_moment(self, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
+        """Take the fleet's first moment in place of the one this island pushed, keeping the
+        `steps` trained since (DESIGN §3.9)."""
         assert self.layout is not None
         if self.moments is None or merged.numel() != pushed.numel():
             return
-        self.moments.rebase(self.layout.fragments[index], merged, pushed, steps)
+        self.moments.rebase_all(self.layout, merged, pushed, steps)
         self.stats.moments_shared += 1
 
     def _as_merged(self, delta: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ Between rounds each island's optimizer keeps a first moment (Adam's `exp_avg`, S
 `momentum_buffer`) built from its own shard's gradients only. When a merged fragment is
 installed, the island's parameters move to the fleet's, but that moment still points along the
 island's own trajectory, and the next steps drift apart again from there. Sharing it removes
-that: each push carries the fragment's moment, the syncer averages them with the merge's
-weights, and the broadcast brings the average back.
+that: each push carries the moment of every synced tensor (every round, not only its own
+fragment's: how often counts, README), the syncer averages them with the merge's weights, and
+the broadcast brings the average back. The moment is advice, not state, so it travels in a
+4-bit block code (`MOMENT_CODEC`) both ways.
 
 The moment is an exponential average, m ← β·m + (1 − β)·g per step, so the average of the
 moments at the push, m̄, replaces the island's own m_push by adding β^k·(m̄ − m_push) to the
@@ -21,10 +23,35 @@ from typing import Any
 
 import torch
 
-from yeto_core.layout import Fragment
+from yeto_core.codecs import Codec, codec_by_name
+from yeto_core.layout import Fragment, Layout
 from yeto_core.setting_names import SettingsError
 
 FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")  # Adam and its kin; SGD with momentum
+MOMENT_CODEC: Codec = codec_by_name("int4")  # as good as f32 for the moment, measured (README)
+
+
+def moment_nbytes(layout: Layout) -> int:
+    """The wire bytes of the whole model's first moment (every fragment, in fragment order)."""
+    return MOMENT_CODEC.encoded_nbytes(layout.total_numel)
+
+
+def max_bulk_bytes(layout: Layout) -> int:
+    """The largest bulk payload either side may send: a fragment's f32 values and the model's moment."""
+    return max(f.numel for f in layout.fragments) * 4 + moment_nbytes(layout)
+
+
+def encode_moment(moment: torch.Tensor) -> memoryview:
+    out = memoryview(bytearray(MOMENT_CODEC.encoded_nbytes(moment.numel())))
+    MOMENT_CODEC.encode(moment, out)
+    return out
+
+
+def decode_moment(layout: Layout, payload: memoryview) -> torch.Tensor:
+    """The model's moment from its wire bytes; ValueError for a bad block (a scale not finite)."""
+    out = torch.empty(layout.total_numel, dtype=torch.float32)
+    MOMENT_CODEC.decode(payload, out)
+    return out
 
 
 class MomentError(SettingsError):
@@ -89,6 +116,19 @@ class OptimizerMoments:
                 return None
             out[slot.offset : slot.offset + slot.numel].copy_(moment.detach().reshape(-1))
         return out if bool(torch.isfinite(out).all()) else None
+
+    def gather_all(self, layout: Layout) -> torch.Tensor | None:
+        """Every fragment's moment, back to back in fragment order (None as `gather`)."""
+        parts = [self.gather(f) for f in layout.fragments]
+        return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
+
+    def rebase_all(self, layout: Layout, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
+        """`rebase` every fragment from model-wide moments (fragment order, as `gather_all`)."""
+        start = 0
+        for fragment in layout.fragments:
+            part = slice(start, start + fragment.numel)
+            self.rebase(fragment, merged[part], pushed[part], steps)
+            start += fragment.numel
 
     def rebase(self, fragment: Fragment, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
         """m ← m + β^steps·(merged − pushed) for every tensor of the fragment: the moment the island

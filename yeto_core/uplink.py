@@ -23,6 +23,7 @@ from yeto_core.codecs import BF16, F32, Bf16Parts, Codec, tensor_bytes
 from yeto_core.faults import FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.link import Inbound, InitWanted, PushEnded, PushJob
+from yeto_core.moments import encode_moment
 from yeto_core.net.tickets import Concatenated, Payload, SendTicket
 from yeto_core.wire.messages import PUSH_MOMENT, Init, Message, Push
 
@@ -42,18 +43,19 @@ class PushEncoder:
 
     def encode(self, job: PushJob) -> tuple[Push, Payload, int]:
         """The PUSH frame, its payload, and the payload's size on the wire: the delta, then the
-        optimizer's first moment when the job carries it (`PUSH_MOMENT`, DESIGN §3.9)."""
-        tensors = [job.delta] if job.moment is None else [job.delta, job.moment]
-        part = self.codec.encoded_nbytes(job.delta.numel())
-        nbytes = part * len(tensors)
+        model's first moment in `MOMENT_CODEC` when the job carries it (`PUSH_MOMENT`, DESIGN §3.9)."""
+        nbytes = self.codec.encoded_nbytes(job.delta.numel())
         payload: Payload
-        if self.codec in (F32, BF16):  # f32: the tensors' own bytes; bf16: rounded part by part as sent
-            parts: list[Payload] = [tensor_bytes(t) if self.codec is F32 else Bf16Parts(t) for t in tensors]
-            payload = parts[0] if len(parts) == 1 else Concatenated(parts)
+        if self.codec is F32:
+            payload = tensor_bytes(job.delta)
+        elif self.codec is BF16:
+            payload = Bf16Parts(job.delta)
         else:
             payload = self._buffers.get(nbytes) or self._buffers.setdefault(nbytes, receive_buffer(nbytes))
-            for i, tensor in enumerate(tensors):
-                self.codec.encode(tensor, payload[i * part : (i + 1) * part])
+            self.codec.encode(job.delta, payload)
+        if job.moment is not None:
+            moment = encode_moment(job.moment)
+            payload, nbytes = Concatenated([payload, moment]), nbytes + len(moment)
         step_us = 0 if job.step_s is None else min(int(job.step_s * 1e6), 2**32 - 1)
         codec = self.codec.wire_id | (PUSH_MOMENT if job.moment is not None else 0)
         msg = Push(job.pull.round, job.pull.attempt, job.pull.fragment, job.base_version, job.tokens, job.steps,

@@ -12,6 +12,7 @@ import torch
 from syncer.merge.merge import check_finite
 from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
+from yeto_core.moments import decode_moment, moment_nbytes
 from yeto_core.wire.messages import PUSH_MOMENT, Init, Message, Push
 
 
@@ -23,16 +24,12 @@ def payload_problem(layout: Layout, msg: Push, payload: memoryview | None, codec
         return "push reports zero steps"
     if msg.codec & ~PUSH_MOMENT != codec.wire_id:
         return f"push codec id {msg.codec} differs from the session contract ({codec.name}, id {codec.wire_id})"
-    expected = push_parts(msg) * codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
+    expected = codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
+    if msg.codec & PUSH_MOMENT:
+        expected += moment_nbytes(layout)
     if payload is None or len(payload) != expected:
         return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
     return None
-
-
-def push_parts(msg: Push) -> int:
-    """How many fragment-sized parts a push's payload holds: its delta, and with `PUSH_MOMENT` the
-    learner's optimizer first moment after it (DESIGN §3.9)."""
-    return 2 if msg.codec & PUSH_MOMENT else 1
 
 
 def finite_f32_part(part: memoryview) -> bool:
@@ -54,25 +51,28 @@ def payload_screen(msg: Message) -> Callable[[memoryview], bool] | None:
     """The transport's screen for a syncer: f32 pushes and INIT fragments are checked for NaN/Inf
     chunk by chunk as they arrive, on the reader threads, so the coordinator need not read the
     payload again. (Quantized pushes are checked as they are decoded.)"""
-    if isinstance(msg, Push | Init) and msg.codec & ~PUSH_MOMENT == F32.wire_id:
+    if isinstance(msg, Push | Init) and msg.codec == F32.wire_id:  # a moment after the delta is not f32
         return finite_f32_part
     return None
 
 
 def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
                 screened: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | str:
-    """The push's f32 delta and, with `PUSH_MOMENT`, the first moment that follows it; or why
-    they cannot be used (a bad block header or scale, NaN, Inf in either)."""
-    if push_parts(msg) == 1:
+    """The push's f32 delta and, with `PUSH_MOMENT`, the model's first moment that follows it
+    (DESIGN §3.9); or why they cannot be used (a bad block header or scale, NaN, Inf in either)."""
+    if not msg.codec & PUSH_MOMENT:
         delta = decode_delta(layout, msg, payload, codec, screened)
         return delta if isinstance(delta, str) else (delta, None)
-    half = len(payload) // 2
-    delta = decode_delta(layout, msg, payload[:half], codec, screened)
+    cut = codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
+    delta = decode_delta(layout, msg, payload[:cut], codec, screened)
     if isinstance(delta, str):
         return delta
-    moment = decode_delta(layout, msg, payload[half:], codec, screened)
-    if isinstance(moment, str):
-        return moment.replace("delta", "first moment", 1)
+    try:
+        moment = decode_moment(layout, payload[cut:])
+    except ValueError as exc:
+        return f"push for fragment {msg.fragment}: first moment: {exc}"
+    if check_finite(moment.view(1, -1)) is not None:
+        return f"first moment sent with fragment {msg.fragment} contains NaN or Inf"
     return delta, moment
 
 

@@ -87,10 +87,11 @@ from yeto_core.codecs import tensor_bytes
 from yeto_core.downlink import encode_broadcast
 from yeto_core.faults import FAULT_SEND_WAIT_S, NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout
+from yeto_core.moments import max_bulk_bytes
 from yeto_core.net.group import ConnectionGroup
 from yeto_core.net.tickets import Payload, SendTicket, payload_nbytes
 from yeto_core.settings import SyncerSettings
-from yeto_core.wire.messages import MAX_BULK_PARTS, Bcast, Bye, Push
+from yeto_core.wire.messages import Bcast, Bye, Push
 
 log = logging.getLogger("yeto.syncer")
 
@@ -186,7 +187,7 @@ class Coordinator:
 
     def max_payload(self) -> int:
         layout = self.protocol.layout
-        return max(f.numel for f in layout.fragments) * 4 * MAX_BULK_PARTS if layout is not None else 0
+        return max_bulk_bytes(layout) if layout is not None else 0
 
     def initial_cut_ready(self) -> bool:
         return self.protocol.phase in (Phase.RUNNING, Phase.FINALIZING)

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from yeto_core.codecs import tensor_bytes
+from yeto_core.moments import encode_moment
 from yeto_core.net.tickets import Concatenated, Payload
 from yeto_core.wire.messages import BCAST_MOMENT, PUSH_MOMENT, Bcast, Push
 
@@ -26,8 +26,8 @@ class MomentRelay:
 
     def __init__(self) -> None:
         self.sharing: set[int] = set()  # learners whose newest push carried a moment
-        # (fragment, version) -> the merged moment of the commit that made that version
-        self._merged: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
+        # (fragment, version) -> the merged moment of the commit that made that version, encoded
+        self._merged: collections.OrderedDict[tuple[int, int], memoryview] = collections.OrderedDict()
 
     def heard(self, learner_id: int, msg: Push) -> None:
         """A push arrived: does its learner share its moment (its broadcasts will carry the average)?"""
@@ -41,15 +41,15 @@ class MomentRelay:
         self._merged.pop((fragment, version), None)
         if moment is None:
             return
-        self._merged[(fragment, version)] = moment.detach().to("cpu", dtype=torch.float32).reshape(-1)
+        self._merged[(fragment, version)] = encode_moment(moment.detach().to("cpu", dtype=torch.float32).reshape(-1))
         while len(self._merged) > HELD_MERGES:
             self._merged.popitem(last=False)
 
     def attach(self, learner_id: int, msg: Bcast, payload: Payload) -> tuple[Bcast, Payload]:
-        """The broadcast as `learner_id` gets it: with the merged moment after the values when that
-        learner shares its moment and the version was made by a merge that had moments."""
+        """The broadcast as `learner_id` gets it: with the merged moment (`MOMENT_CODEC`) after the
+        values when that learner shares its moment and the version was made by a merge that had moments."""
         moment = self._merged.get((msg.fragment, msg.version))
         if moment is None or learner_id not in self.sharing or msg.flags & BCAST_MOMENT:
             return msg, payload
         return (dataclasses.replace(msg, flags=msg.flags | BCAST_MOMENT),
-                Concatenated([payload, tensor_bytes(moment)]))
+                Concatenated([payload, moment]))

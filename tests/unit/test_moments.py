@@ -15,7 +15,14 @@ from yeto_core.codecs import BF16, F32, Bf16Parts, codec_by_name, tensor_bytes
 from yeto_core.downlink import BroadcastReader
 from yeto_core.layout import Layout, build_layout, specs_from_named_tensors
 from yeto_core.link import PushJob
-from yeto_core.moments import MomentError, OptimizerMoments
+from yeto_core.moments import (
+    MOMENT_CODEC,
+    MomentError,
+    OptimizerMoments,
+    decode_moment,
+    encode_moment,
+    moment_nbytes,
+)
 from yeto_core.net.tickets import Concatenated
 from yeto_core.uplink import PushEncoder
 from yeto_core.wire.errors import ProtocolError
@@ -131,7 +138,8 @@ def test_a_push_carries_its_moment_after_the_delta_and_the_syncer_reads_both_bac
     delta, moment = torch.linspace(-1, 1, n), torch.linspace(2, -3, n)
     job = PushJob(Pull(3, 1, 0, 2), 2, 100, 4, None, delta, moment)
     msg, payload, nbytes = PushEncoder(codec).encode(job)
-    assert msg.codec == codec.wire_id | PUSH_MOMENT and nbytes == 2 * codec.encoded_nbytes(n)
+    assert msg.codec == codec.wire_id | PUSH_MOMENT
+    assert nbytes == codec.encoded_nbytes(n) + MOMENT_CODEC.encoded_nbytes(layout.total_numel)
     wire = bytearray(nbytes)
     if isinstance(payload, memoryview):
         wire[:] = payload
@@ -144,23 +152,26 @@ def test_a_push_carries_its_moment_after_the_delta_and_the_syncer_reads_both_bac
     assert not isinstance(parts, str)
     got_delta, got_moment = parts
     assert got_moment is not None
-    for sent, got in ((delta, got_delta), (moment, got_moment)):
-        one = bytearray(codec.encoded_nbytes(n))
-        codec.encode(sent, memoryview(one))
+    for sent, got, by in ((delta, got_delta, codec), (moment, got_moment, MOMENT_CODEC)):
+        one = bytearray(by.encoded_nbytes(n))
+        by.encode(sent, memoryview(one))
         want = torch.empty(n)
-        codec.decode(memoryview(one), want)
+        by.decode(memoryview(one), want)
         assert torch.equal(got, want)  # each part exactly as its codec alone carries it
 
 
-def test_a_push_without_the_moment_bit_may_not_be_twice_as_long() -> None:
+def test_the_moment_bit_and_the_payload_size_must_agree_and_a_bad_moment_is_refused() -> None:
     _, layout = two_tensors()
     n = layout.fragments[0].numel
+    longer = 4 * n + moment_nbytes(layout)
     msg = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id)
-    assert "expected" in (payload_problem(layout, msg, memoryview(bytearray(8 * n)), F32) or "")
+    assert "expected" in (payload_problem(layout, msg, memoryview(bytearray(longer)), F32) or "")
     with_bit = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id | PUSH_MOMENT)
     assert "expected" in (payload_problem(layout, with_bit, memoryview(bytearray(4 * n)), F32) or "")
-    bad = torch.cat([torch.zeros(n), torch.full((n,), float("inf"))])
-    assert "first moment" in str(decode_push(layout, with_bit, tensor_bytes(bad), F32))
+    assert payload_screen(with_bit) is None  # the moment's bytes are no f32: the delta is checked on decoding
+    corrupt = bytearray(bytes(tensor_bytes(torch.zeros(n))) + b"\xff" * moment_nbytes(layout))
+    assert payload_problem(layout, with_bit, memoryview(corrupt), F32) is None
+    assert "first moment" in str(decode_push(layout, with_bit, memoryview(corrupt), F32))
 
 
 def test_concatenated_payloads_fill_any_range_with_the_parts_back_to_back() -> None:
@@ -203,9 +214,9 @@ def test_the_relay_adds_the_moment_only_for_sharers_and_the_version_its_merge_ma
     msg = Bcast(0, 3, 3, BCAST_FULL, 0, 0, F32.wire_id)
     sent, payload = relay.attach(1, msg, values)
     assert sent.flags == BCAST_FULL | BCAST_MOMENT
-    out = bytearray(16)
+    out = bytearray(8 + MOMENT_CODEC.encoded_nbytes(2))
     payload.fill(0, memoryview(out))  # type: ignore[union-attr]
-    assert torch.equal(torch.frombuffer(out, dtype=torch.float32), torch.tensor([5.0, 6.0, 1.0, -1.0]))
+    assert bytes(out) == bytes(values) + bytes(encode_moment(moment))
     assert relay.attach(2, msg, values) == (msg, values)  # learner 2 does not share
     other = Bcast(0, 4, 4, BCAST_FULL, 0, 0, F32.wire_id)
     assert relay.attach(1, other, values) == (other, values)  # another version
@@ -220,14 +231,14 @@ def test_the_learner_splits_a_broadcast_into_values_and_moment() -> None:
     _, layout = two_tensors()
     n = layout.fragments[0].numel
     reader = BroadcastReader(layout, bcast_delta=False)
-    values, moment = torch.arange(n, dtype=torch.float32), torch.full((n,), 0.5)
-    wire = memoryview(bytearray(bytes(tensor_bytes(values)) + bytes(tensor_bytes(moment))))
+    values, moment = torch.arange(n, dtype=torch.float32), torch.linspace(-0.5, 0.5, n)
+    wire = memoryview(bytearray(bytes(tensor_bytes(values)) + bytes(encode_moment(moment))))
     msg = Bcast(0, 1, 1, BCAST_FULL | BCAST_MOMENT, 0, 0, F32.wire_id)
     rest, got = reader.moment_of(msg, wire)
-    assert got is not None and torch.equal(got, moment)
+    assert got is not None and torch.equal(got, decode_moment(layout, encode_moment(moment)))
     assert torch.equal(reader.values(msg, rest), values)
     with pytest.raises(ProtocolError, match="first moment"):
-        reader.moment_of(msg, wire[: 4 * n - 4])
+        reader.moment_of(msg, wire[: moment_nbytes(layout) - 1])
     plain = Bcast(0, 1, 1, BCAST_FULL, 0, 0, F32.wire_id)
     assert reader.moment_of(plain, wire)[1] is None
 
@@ -251,7 +262,9 @@ def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -
     link.pull(0, 0, 0)
     train()  # step 2: the boundary pushes round 0 with the moment of now
     (job,) = link.jobs
-    assert job.moment is not None and torch.equal(job.moment, opt.state[theta]["exp_avg"])
+    # the moment as the syncer will decode it (4 bits a value), so the install replaces just that
+    want = decode_moment(link.layout, encode_moment(opt.state[theta]["exp_avg"]))  # type: ignore[arg-type]
+    assert job.moment is not None and torch.equal(job.moment, want)
     train()  # step 3, trained while the round merges
     fleet = job.moment * 0.5 + 0.25
     link.bcast(0, 1, 0, job.delta.clone(), merged=True, moment=fleet)

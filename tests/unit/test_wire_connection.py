@@ -17,6 +17,7 @@ from syncer.core.handshake import HandshakeRefused, check_hello
 from yeto_core.codecs import F32
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.learner import LearnerSession
+from yeto_core.moments import max_bulk_bytes
 from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Endpoint, LinkSettings, Schedule
 from yeto_core.settings import LearnerSettings
 from yeto_core.wire import auth
@@ -47,7 +48,6 @@ from yeto_core.wire.messages import (
     HELLO_OVERLAP,
     HELLO_SENDS_MANIFEST,
     MAGIC,
-    MAX_BULK_PARTS,
     PROTOCOL_VERSION,
     Attach,
     BwProbe,
@@ -163,8 +163,8 @@ def test_learner_0_describes_the_model_after_welcome(bytewise: bool) -> None:
     assert isinstance(learned[-1], Welcomed)
     [event] = admitted
     assert isinstance(event, Admitted) and event.manifest == Manifest(4, "binpack", SPECS)
-    # a fragment's f32 values and its first moment (PUSH_MOMENT): the largest bulk payload
-    assert event.payload_bound == max(f.numel for f in LAYOUT.fragments) * 4 * MAX_BULK_PARTS
+    # a fragment's f32 values and the model's first moment (PUSH_MOMENT): the largest bulk payload
+    assert event.payload_bound == max_bulk_bytes(LAYOUT) > max(f.numel for f in LAYOUT.fragments) * 4
     assert theirs.state is HandshakeState.JOINED
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from yeto_core.layout import Layout, build_layout
+from yeto_core.moments import max_bulk_bytes
 from yeto_core.sections import Endpoint, LinkSettings, Schedule
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ErrorCode, ProtocolError, Refused
@@ -33,7 +34,6 @@ from yeto_core.wire.messages import (
     HELLO_SENDS_MANIFEST,
     HELLO_SWEEP_OVERLAP,
     HELLO_SWEEPS,
-    MAX_BULK_PARTS,
     MAX_CONTROL_BODY,
     Attach,
     BwProbe,
@@ -369,7 +369,7 @@ class SyncerHandshake(Handshake):
         if layout.fingerprint != self.hello.fingerprint:
             raise Refused(ErrorCode.LAYOUT, f"learner {lid}'s manifest does not produce the fingerprint it sent "
                           "in HELLO")
-        bound = max(f.numel for f in layout.fragments) * 4 * MAX_BULK_PARTS
+        bound = max_bulk_bytes(layout)
         return S.JOINED, [Admitted(self.hello, self.token, self._generation, manifest, bound)]
 
     def _on_attach(self, attach: Attach) -> tuple[HandshakeState, list[Event]]:

@@ -364,15 +364,12 @@ class Push(Message):
         return msg
 
 
-# A bulk payload holds at most a fragment's f32 values and its first moment (PUSH_MOMENT, BCAST_MOMENT):
-# the receivers' bound on a transfer is this many fragments.
-MAX_BULK_PARTS = 2
-PUSH_MOMENT = 0x80  # PUSH codec bit: the payload is the delta, then the optimizer's first moment, both in the codec
+PUSH_MOMENT = 0x80  # PUSH codec bit: the delta is followed by the model's first moment (yeto_core.moments)
 BCAST_FULL = 0x1  # payload is the full fragment, f32
 BCAST_DELTA = 0x2  # payload is bf16(Θ − downlink anchor) (sessions with HELLO_BCAST_DELTA)
 BCAST_MERGED = 0x4  # this version merged the receiving learner's push for `round` (overlap rebasing)
 BCAST_LAST = 0x8  # `round` was the fragment's last (the run's total rounds): no PULL for it will follow
-BCAST_MOMENT = 0x10  # the payload's values are followed by the merged first moment, f32 (DESIGN §3.9)
+BCAST_MOMENT = 0x10  # the values are followed by the model's merged first moment (DESIGN §3.9)
 
 
 @dataclass(frozen=True, slots=True)
