@@ -106,10 +106,11 @@ class OptimizerMoments:
                 return moment
         return None
 
-    def gather(self, fragment: Fragment) -> torch.Tensor | None:
-        """The fragment's first moment as one flat f32 tensor; None until every tensor of it has
-        one (before the optimizer's first step), or when any value is not finite."""
-        out = torch.empty(fragment.numel, dtype=torch.float32)
+    def gather(self, fragment: Fragment, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The fragment's first moment as one flat f32 tensor (into `out`, if given); None until
+        every tensor of it has one (before the optimizer's first step), or when any value is not
+        finite."""
+        out = torch.empty(fragment.numel, dtype=torch.float32) if out is None else out
         for slot in fragment.slots:
             moment = self._moment(slot.name)
             if moment is None or moment.numel() != slot.numel:
@@ -119,8 +120,13 @@ class OptimizerMoments:
 
     def gather_all(self, layout: Layout) -> torch.Tensor | None:
         """Every fragment's moment, back to back in fragment order (None as `gather`)."""
-        parts = [self.gather(f) for f in layout.fragments]
-        return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
+        out = torch.empty(layout.total_numel, dtype=torch.float32)
+        start = 0
+        for fragment in layout.fragments:
+            if self.gather(fragment, out[start : start + fragment.numel]) is None:
+                return None
+            start += fragment.numel
+        return out
 
     def rebase_all(self, layout: Layout, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
         """`rebase` every fragment from model-wide moments (fragment order, as `gather_all`)."""

@@ -338,3 +338,24 @@ def test_a_round_pulled_again_gets_the_same_moment_and_a_round_without_us_still_
     session.step(tokens=10)
     steps = 2  # from the push at step 2 to this install at step 4
     assert torch.allclose(opt.state[theta]["momentum_buffer"], held + 0.5**steps * (fleet - first.moment))
+
+
+def test_the_whole_models_moment_runs_in_fragment_order_and_rebases_every_tensor() -> None:
+    named = [(n, torch.nn.Parameter(torch.zeros(k))) for n, k in (("a", 5), ("b", 3), ("c", 4))]
+    layout = build_layout(specs_from_named_tensors(named), 2, "binpack")
+    opt = torch.optim.AdamW([p for _, p in named], betas=(0.5, 0.9))
+    moments = OptimizerMoments(opt, named)
+    adam_steps(named, opt, 2)  # type: ignore[arg-type]
+    whole = moments.gather_all(layout)
+    assert whole is not None and whole.numel() == 12
+    by_name = {n: opt.state[p]["exp_avg"] for n, p in named}
+    start = 0
+    for fragment in layout.fragments:
+        for slot in fragment.slots:
+            assert torch.equal(whole[start + slot.offset : start + slot.offset + slot.numel], by_name[slot.name])
+        start += fragment.numel
+    before = {n: m.clone() for n, m in by_name.items()}
+    merged = whole + 1.0
+    moments.rebase_all(layout, merged, whole, 1)
+    for name, m in by_name.items():
+        torch.testing.assert_close(m, before[name] + 0.5, rtol=0, atol=1e-7)
