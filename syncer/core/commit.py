@@ -78,6 +78,7 @@ class Commit:
             outer_grad_norm=out.outer_grad_norm, merge_ms=round(out.merge_ms, 3),
             wait_ms=round((run.now - attempt.launched_at) * 1000, 1), reason=reason,
             overflowed=sorted(out.overflowed) if out.overflowed else None,
+            moments=[a.learner_id for a in answers if a.moment is not None] or None,
             # DESIGN §8: the learners' JS distance, each fragment's L2 drift
             extra=run.consensus.on_commit(f, out.delta_norms) if run.consensus is not None else {},
         )

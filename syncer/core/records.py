@@ -157,6 +157,7 @@ class Commit(TapeRecord):
     wait_ms: float
     reason: str
     overflowed: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
+    moments: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)  # pushes with a moment (§3.9)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the consensus fields (DESIGN §8)
 
 

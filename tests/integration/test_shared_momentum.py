@@ -68,6 +68,7 @@ def test_shared_moments_reach_the_optimizers_and_the_run_stays_reproducible(proc
     # Every push follows an optimizer step, so each carries a moment, and under lockstep each
     # round's broadcast is installed at the step after its push: every round brings the average back.
     assert shared == [rounds, rounds], (shared, rounds)
+    assert all(c["moments"] == [0, 1] for c in tape), [c.get("moments") for c in tape]  # the tape says so
     second, tape2, _ = run(procs, key_file, "share-b", share=(True, True))
     for name, value in first.items():
         assert torch.equal(value, second[name]), f"{name} differs between two runs with shared moments"
@@ -81,6 +82,7 @@ def test_shared_moments_reach_the_optimizers_and_the_run_stays_reproducible(proc
 def test_an_island_that_does_not_share_gets_no_moment_and_the_other_still_does(procs: Procs, key_file: Path) -> None:
     _, tape, shared = run(procs, key_file, "mixed", share=(True, False))
     assert shared == [len(tape), 0], shared
+    assert all(c["moments"] == [0] for c in tape), [c.get("moments") for c in tape]
 
 
 @pytest.mark.timeout(240)
