@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from yeto_core.codecs import Codec
-from yeto_core.layout import Fragment, Layout
+from yeto_core.layout import Layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import PushJob
 from yeto_core.moments import OptimizerMoments, decode_moment, encode_moment
@@ -57,12 +57,9 @@ class FragmentSync:
         self.layout, self.blocking = layout, blocking
         self.fragments = [FragmentState() for _ in range(layout.num_fragments)]
 
-    def fragment(self, index: int) -> Fragment:
-        assert self.layout is not None
-        return self.layout.fragments[index]
-
     def gather(self, index: int) -> torch.Tensor:
-        return self.store.gather(self.fragment(index))
+        assert self.layout is not None
+        return self.store.gather(self.layout.fragments[index])
 
     # -- what the syncer sent ----------------------------------------------------------------
     def take(self, msg: Message, values: torch.Tensor | None, moment: torch.Tensor | None = None) -> None:
