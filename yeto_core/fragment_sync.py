@@ -165,8 +165,9 @@ class FragmentSync:
             state.pull = None
             if not self._finite(pull, delta):
                 continue
-            moment = self._moment_to_push()
-            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta, moment)
+            moment, wire = self._moment_to_push()
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta, moment,
+                          wire)
             state.sent = job
             self.queued.append(job)
             state.sent_link = self.links
@@ -187,7 +188,8 @@ class FragmentSync:
             return
         # Queued behind a push still streaming, if any: the link's sender streams them in order. A
         # replay must not wait for a boundary: a trainer between sweeps reaches none for a while.
-        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta, sent.moment)
+        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta, sent.moment,
+                      sent.moment_wire)
         state.pull = None
         state.sent = job
         self.queued.append(job)
@@ -281,14 +283,18 @@ class FragmentSync:
         self.stats.rebases += int(merged)
         return merged
 
-    def _moment_to_push(self) -> torch.Tensor | None:
-        """Every synced tensor's first moment as the syncer will decode it (DESIGN §3.9): kept with
-        the push, so an install replaces exactly what the fleet's average was made of."""
+    def _moment_to_push(self) -> tuple[torch.Tensor | None, memoryview | None]:
+        """Every synced tensor's first moment as the syncer will decode it, and its wire bytes
+        (DESIGN §3.9): kept with the push, so an install replaces exactly what the fleet's average
+        was made of, and the sender streams the bytes without encoding them again."""
         if self.moments is None:
-            return None
+            return None, None
         assert self.layout is not None
         moment = self.moments.gather_all(self.layout)
-        return None if moment is None else decode_moment(self.layout, encode_moment(moment))
+        if moment is None:
+            return None, None
+        wire = encode_moment(moment)
+        return decode_moment(self.layout, wire), wire
 
     def _share_moment(self, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
         """Take the fleet's first moment in place of the one this island pushed, keeping the

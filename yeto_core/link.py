@@ -85,6 +85,7 @@ class PushJob:
     step_s: float | None
     delta: torch.Tensor
     moment: torch.Tensor | None = None  # the optimizer's first moment at the push, sent after the delta
+    moment_wire: memoryview | None = None  # `moment`'s wire bytes, encoded once when the push was made
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str | None = None
     nbytes: int = 0  # wire bytes, once sent

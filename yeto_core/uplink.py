@@ -54,7 +54,7 @@ class PushEncoder:
             payload = self._buffers.get(nbytes) or self._buffers.setdefault(nbytes, receive_buffer(nbytes))
             self.codec.encode(job.delta, payload)
         if job.moment is not None:
-            moment = encode_moment(job.moment)
+            moment = job.moment_wire if job.moment_wire is not None else encode_moment(job.moment)
             payload, nbytes = Concatenated([payload, moment]), nbytes + len(moment)
         step_us = 0 if job.step_s is None else min(int(job.step_s * 1e6), 2**32 - 1)
         codec = self.codec.wire_id | (PUSH_MOMENT if job.moment is not None else 0)

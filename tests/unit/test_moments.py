@@ -3,6 +3,9 @@ averaged by the merge, carried back after a broadcast's values and folded into t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from learner_harness import hand_fed
@@ -243,16 +246,15 @@ def test_the_learner_splits_a_broadcast_into_values_and_moment() -> None:
     assert reader.moment_of(plain, wire)[1] is None
 
 
-def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -> None:
-    """Hand-fed: AdamW on one tensor, H = 2, one fragment, overlap on."""
-    theta = torch.nn.Parameter(torch.zeros(4))
-    opt = torch.optim.AdamW([theta], lr=0.01, betas=(0.9, 0.999))
+def pushed_with_moment(theta: torch.nn.Parameter, opt: torch.optim.Optimizer,
+                       grad: Callable[[], torch.Tensor]) -> tuple[Any, Any, Callable[[], None]]:
+    """A hand-fed session (H = 2, one fragment, overlap) sharing `opt`'s moment, trained to its
+    first push: (session, link, one more training step)."""
     session, link, _, _ = hand_fed([("w", theta)], overlap=True)
     session.share_momentum(opt)
-    gen = torch.Generator().manual_seed(0)
 
     def train() -> None:
-        theta.grad = torch.randn(4, generator=gen)
+        theta.grad = grad()
         opt.step()
         session.step(tokens=10)
 
@@ -261,6 +263,15 @@ def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -
     train()
     link.pull(0, 0, 0)
     train()  # step 2: the boundary pushes round 0 with the moment of now
+    return session, link, train
+
+
+def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -> None:
+    """Hand-fed: AdamW on one tensor, H = 2, one fragment, overlap on."""
+    theta = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([theta], lr=0.01, betas=(0.9, 0.999))
+    gen = torch.Generator().manual_seed(0)
+    session, link, train = pushed_with_moment(theta, opt, lambda: torch.randn(4, generator=gen))
     (job,) = link.jobs
     # the moment as the syncer will decode it (4 bits a value), so the install replaces just that
     want = decode_moment(link.layout, encode_moment(opt.state[theta]["exp_avg"]))  # type: ignore[arg-type]
@@ -308,19 +319,7 @@ def test_a_round_pulled_again_gets_the_same_moment_and_a_round_without_us_still_
     that committed without this island's push still brings the fleet's moment, rebased on ours."""
     theta = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([theta], lr=0.01, momentum=0.5)
-    session, link, _, _ = hand_fed([("w", theta)], overlap=True)
-    session.share_momentum(opt)
-
-    def train() -> None:
-        theta.grad = torch.full((4,), 1.0)
-        opt.step()
-        session.step(tokens=10)
-
-    link.bcast(0, 0, 0, torch.zeros(4))
-    session.start()
-    train()
-    link.pull(0, 0, 0)
-    train()
+    session, link, train = pushed_with_moment(theta, opt, lambda: torch.full((4,), 1.0))
     first = link.jobs[0]
     assert first.moment is not None
     train()  # the moment moves on; the replay must not pick that up
