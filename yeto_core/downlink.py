@@ -25,7 +25,7 @@ import torch
 
 from yeto_core.codecs import BF16, F32, tensor_bytes
 from yeto_core.layout import Layout
-from yeto_core.moments import decode_moment, moment_nbytes
+from yeto_core.moments import moment_nbytes, moment_problem
 from yeto_core.wire.errors import ProtocolError, Refused
 from yeto_core.wire.messages import BCAST_DELTA, BCAST_MOMENT, Bcast, Bye, Consensus, Error, Final, Message, Pull
 
@@ -158,9 +158,10 @@ class BroadcastReader:
         self.downlink = DownlinkDecoder(layout.num_fragments) if bcast_delta else None
 
     def moment_of(self, msg: Bcast | Final,
-                  payload: memoryview | None) -> tuple[memoryview | None, torch.Tensor | None]:
+                  payload: memoryview | None) -> tuple[memoryview | None, memoryview | None]:
         """A BCAST_MOMENT payload split into its values' bytes and the merged first moment of the
-        model (its last `moment_nbytes`, DESIGN §3.9); any other payload as it is, with no moment."""
+        model (its last `moment_nbytes`, checked and kept in its wire form, DESIGN §3.9); any other
+        payload as it is, with no moment."""
         if not isinstance(msg, Bcast) or not msg.flags & BCAST_MOMENT:
             return payload, None
         nbytes = moment_nbytes(self.layout)
@@ -168,11 +169,10 @@ class BroadcastReader:
             raise ProtocolError(f"syncer sent BCAST of {0 if payload is None else len(payload)} bytes for fragment "
                                 f"{msg.fragment} with a first moment of {nbytes} bytes")
         cut = len(payload) - nbytes
-        try:
-            moment = decode_moment(self.layout, payload[cut:])
-        except ValueError as exc:
-            raise ProtocolError(f"syncer sent BCAST for fragment {msg.fragment} with a bad first moment: "
-                                f"{exc}") from None
+        moment = payload[cut:]
+        problem = moment_problem(self.layout, moment)
+        if problem is not None:
+            raise ProtocolError(f"syncer sent BCAST for fragment {msg.fragment} with a bad first moment: {problem}")
         return payload[:cut], moment
 
     def values(self, msg: Bcast | Final, payload: memoryview | None) -> torch.Tensor:
@@ -199,7 +199,7 @@ class Routed:
     """What one message from the syncer means to the learner's link."""
 
     values: torch.Tensor | None = None  # a BCAST's or FINAL's fragment values
-    moment: torch.Tensor | None = None  # a BCAST's merged first moment, when it carries one (DESIGN §3.9)
+    moment: memoryview | None = None  # a BCAST's merged first moment in wire form, when it carries one (§3.9)
     refusal: Refused | None = None  # a permanent ERROR: this learner is refused for good
     notice: Error | None = None  # any other ERROR: reported, and the link goes on
     consensus: bool = False  # the syncer speaks the consensus messages (it sent CONSENSUS)

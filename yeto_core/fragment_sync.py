@@ -28,7 +28,7 @@ from yeto_core.codecs import Codec
 from yeto_core.layout import Layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import PushJob
-from yeto_core.moments import OptimizerMoments, decode_moment, encode_moment
+from yeto_core.moments import OptimizerMoments
 from yeto_core.store import TensorStore, check_fragment_values, fragment_buffer, nonfinite_tensor
 from yeto_core.wire.messages import BCAST_MERGED, Bcast, Final, Message, Pull
 
@@ -62,7 +62,7 @@ class FragmentSync:
         return self.store.gather(self.layout.fragments[index])
 
     # -- what the syncer sent ----------------------------------------------------------------
-    def take(self, msg: Message, values: torch.Tensor | None, moment: torch.Tensor | None = None) -> None:
+    def take(self, msg: Message, values: torch.Tensor | None, moment: memoryview | None = None) -> None:
         if isinstance(msg, Pull):
             if self.fragments[msg.fragment].take_pull(msg, self.links):
                 self._replay(msg.fragment)
@@ -165,9 +165,8 @@ class FragmentSync:
             state.pull = None
             if not self._finite(pull, delta):
                 continue
-            moment, wire = self._moment_to_push()
-            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta, moment,
-                          wire)
+            job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta,
+                          self._moment_to_push())
             state.sent = job
             self.queued.append(job)
             state.sent_link = self.links
@@ -188,8 +187,7 @@ class FragmentSync:
             return
         # Queued behind a push still streaming, if any: the link's sender streams them in order. A
         # replay must not wait for a boundary: a trainer between sweeps reaches none for a while.
-        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta, sent.moment,
-                      sent.moment_wire)
+        job = PushJob(pull, sent.base_version, sent.tokens, sent.steps, sent.step_s, sent.delta, sent.moment)
         state.pull = None
         state.sent = job
         self.queued.append(job)
@@ -283,24 +281,20 @@ class FragmentSync:
         self.stats.rebases += int(merged)
         return merged
 
-    def _moment_to_push(self) -> tuple[torch.Tensor | None, memoryview | None]:
-        """Every synced tensor's first moment as the syncer will decode it, and its wire bytes
-        (DESIGN §3.9): kept with the push, so an install replaces exactly what the fleet's average
-        was made of, and the sender streams the bytes without encoding them again."""
+    def _moment_to_push(self) -> memoryview | None:
+        """Every synced tensor's first moment in its wire form (DESIGN §3.9), or None: kept with the
+        push as the syncer will decode it, so an install replaces exactly what the fleet's average
+        was made of, and the sender streams the bytes as they are."""
         if self.moments is None:
-            return None, None
+            return None
         assert self.layout is not None
-        moment = self.moments.gather_all(self.layout)
-        if moment is None:
-            return None, None
-        wire = encode_moment(moment)
-        return decode_moment(self.layout, wire), wire
+        return self.moments.encode_all(self.layout)
 
-    def _share_moment(self, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
+    def _share_moment(self, merged: memoryview, pushed: memoryview, steps: int) -> None:
         """Take the fleet's first moment in place of the one this island pushed, keeping the
         `steps` trained since (DESIGN §3.9)."""
         assert self.layout is not None
-        if self.moments is None or merged.numel() != pushed.numel():
+        if self.moments is None or len(merged) != len(pushed):
             return
         self.moments.rebase_all(self.layout, merged, pushed, steps)
         self.stats.moments_shared += 1

@@ -25,7 +25,7 @@ class FragmentState:
     pull: Pull | None = None  # the newest PULL not answered yet
     pull_link: int = 0  # the connection it came on (attempt numbers restart with a syncer)
     bcast: tuple[Bcast, torch.Tensor] | None = None  # the newest BCAST not installed yet
-    bcast_moment: torch.Tensor | None = None  # the merged first moment that BCAST carried (DESIGN §3.9)
+    bcast_moment: memoryview | None = None  # the merged first moment that BCAST carried, wire form (§3.9)
     final: tuple[Final, torch.Tensor] | None = None  # the final cut, installed when all are in
     sent: PushJob | None = None  # pushed; its round's BCAST not installed yet (replayed on a re-pull)
     sent_link: int = 0  # the connection `sent` last went out on
@@ -40,7 +40,7 @@ class FragmentState:
             return True
         return False
 
-    def take_bcast(self, msg: Bcast, values: torch.Tensor, moment: torch.Tensor | None = None) -> None:
+    def take_bcast(self, msg: Bcast, values: torch.Tensor, moment: memoryview | None = None) -> None:
         if self.bcast is None or msg.version >= self.bcast[0].version:
             self.bcast = (msg, values)
             self.bcast_moment = moment

@@ -56,7 +56,7 @@ class Received:
 
     msg: Message
     values: torch.Tensor | None = None
-    moment: torch.Tensor | None = None  # a BCAST's merged first moment (DESIGN §3.9)
+    moment: memoryview | None = None  # a BCAST's merged first moment, wire form (DESIGN §3.9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +84,7 @@ class PushJob:
     steps: int
     step_s: float | None
     delta: torch.Tensor
-    moment: torch.Tensor | None = None  # the optimizer's first moment at the push, sent after the delta
-    moment_wire: memoryview | None = None  # `moment`'s wire bytes, encoded once when the push was made
+    moment: memoryview | None = None  # the optimizer's first moment at the push, wire form, sent after the delta
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str | None = None
     nbytes: int = 0  # wire bytes, once sent

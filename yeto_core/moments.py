@@ -7,7 +7,9 @@ island's own trajectory, and the next steps drift apart again from there. Sharin
 that: each push carries the moment of every synced tensor (every round, not only its own
 fragment's: how often counts, README), the syncer averages them with the merge's weights, and
 the broadcast brings the average back. The moment is advice, not state, so it travels in a
-4-bit block code (`MOMENT_CODEC`) both ways.
+4-bit block code (`MOMENT_CODEC`) both ways, one payload per fragment (`moment_spans`): each
+side keeps it in that form and decodes a fragment at a time, so sharing costs an eighth of the
+model's f32 bytes per push held, not the model's size again.
 
 The moment is an exponential average, m ← β·m + (1 − β)·g per step, so the average of the
 moments at the push, m̄, replaces the island's own m_push by adding β^k·(m̄ − m_push) to the
@@ -31,9 +33,21 @@ FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")  # Adam and its kin; SGD with
 MOMENT_CODEC: Codec = codec_by_name("int4")  # as good as f32 for the moment, measured (README)
 
 
+def moment_spans(layout: Layout) -> list[tuple[Fragment, slice]]:
+    """Each fragment and the bytes of its part in a model's moment on the wire: one `MOMENT_CODEC`
+    payload per fragment, back to back in fragment order, so every side can work a fragment at a
+    time and hold no more than a fragment's values in f32."""
+    spans, start = [], 0
+    for fragment in layout.fragments:
+        end = start + MOMENT_CODEC.encoded_nbytes(fragment.numel)
+        spans.append((fragment, slice(start, end)))
+        start = end
+    return spans
+
+
 def moment_nbytes(layout: Layout) -> int:
     """The wire bytes of the whole model's first moment (every fragment, in fragment order)."""
-    return MOMENT_CODEC.encoded_nbytes(layout.total_numel)
+    return sum(MOMENT_CODEC.encoded_nbytes(f.numel) for f in layout.fragments)
 
 
 def max_bulk_bytes(layout: Layout) -> int:
@@ -41,16 +55,65 @@ def max_bulk_bytes(layout: Layout) -> int:
     return max(f.numel for f in layout.fragments) * 4 + moment_nbytes(layout)
 
 
-def encode_moment(moment: torch.Tensor) -> memoryview:
-    out = memoryview(bytearray(MOMENT_CODEC.encoded_nbytes(moment.numel())))
-    MOMENT_CODEC.encode(moment, out)
+def _scratch(layout: Layout) -> torch.Tensor:
+    return torch.empty(max((f.numel for f in layout.fragments), default=0), dtype=torch.float32)
+
+
+def encode_moment(layout: Layout, moment: torch.Tensor) -> memoryview:
+    """A model-wide f32 moment (fragment order) in its wire form."""
+    out = memoryview(bytearray(moment_nbytes(layout)))
+    start = 0
+    for fragment, span in moment_spans(layout):
+        MOMENT_CODEC.encode(moment[start : start + fragment.numel], out[span])
+        start += fragment.numel
     return out
 
 
+def decode_fragment(payload: memoryview, fragment: Fragment, span: slice, out: torch.Tensor) -> torch.Tensor:
+    """One fragment's part of a model's moment, decoded into `out` (at least the fragment's size)."""
+    values = out[: fragment.numel]
+    MOMENT_CODEC.decode(payload[span], values)
+    return values
+
+
 def decode_moment(layout: Layout, payload: memoryview) -> torch.Tensor:
-    """The model's moment from its wire bytes; ValueError for a bad block (a scale not finite)."""
+    """The whole model's moment in f32 (for tests and tools: the sessions work a fragment at a
+    time); ValueError for a bad block."""
     out = torch.empty(layout.total_numel, dtype=torch.float32)
-    MOMENT_CODEC.decode(payload, out)
+    start = 0
+    for fragment, span in moment_spans(layout):
+        decode_fragment(payload, fragment, span, out[start : start + fragment.numel])
+        start += fragment.numel
+    return out
+
+
+def moment_problem(layout: Layout, payload: memoryview) -> str | None:
+    """Why a model's moment as received cannot be used (its size, a bad block, a value that is not
+    finite once decoded), or None. It is decoded a fragment at a time and then kept as it came."""
+    if len(payload) != moment_nbytes(layout):
+        return f"{len(payload)} bytes, expected {moment_nbytes(layout)}"
+    scratch = _scratch(layout)
+    for fragment, span in moment_spans(layout):
+        try:
+            values = decode_fragment(payload, fragment, span, scratch)
+        except ValueError as exc:
+            return f"fragment {fragment.index}: {exc}"
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            return f"fragment {fragment.index} holds NaN or Inf"
+    return None
+
+
+def average_moments(layout: Layout, sent: Sequence[tuple[memoryview, float]]) -> memoryview:
+    """The weighted average of the moments `sent` (wire form, weight), in their order, in wire form:
+    a fragment at a time, so the merge holds two fragments' values in f32 beside the wire bytes."""
+    total = sum(w for _, w in sent)
+    out = memoryview(bytearray(moment_nbytes(layout)))
+    acc, part = _scratch(layout), _scratch(layout)
+    for fragment, span in moment_spans(layout):
+        mean = acc[: fragment.numel].zero_()
+        for payload, weight in sent:
+            mean.add_(decode_fragment(payload, fragment, span, part), alpha=weight / total)
+        MOMENT_CODEC.encode(mean, out[span])
     return out
 
 
@@ -118,23 +181,24 @@ class OptimizerMoments:
             out[slot.offset : slot.offset + slot.numel].copy_(moment.detach().reshape(-1))
         return out if bool(torch.isfinite(out).all()) else None
 
-    def gather_all(self, layout: Layout) -> torch.Tensor | None:
-        """Every fragment's moment, back to back in fragment order (None as `gather`)."""
-        out = torch.empty(layout.total_numel, dtype=torch.float32)
-        start = 0
-        for fragment in layout.fragments:
-            if self.gather(fragment, out[start : start + fragment.numel]) is None:
+    def encode_all(self, layout: Layout) -> memoryview | None:
+        """Every fragment's moment in its wire form (`moment_spans`), gathered and encoded a
+        fragment at a time; None as `gather`."""
+        out = memoryview(bytearray(moment_nbytes(layout)))
+        scratch = _scratch(layout)
+        for fragment, span in moment_spans(layout):
+            values = self.gather(fragment, scratch[: fragment.numel])
+            if values is None:
                 return None
-            start += fragment.numel
+            MOMENT_CODEC.encode(values, out[span])
         return out
 
-    def rebase_all(self, layout: Layout, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
-        """`rebase` every fragment from model-wide moments (fragment order, as `gather_all`)."""
-        start = 0
-        for fragment in layout.fragments:
-            part = slice(start, start + fragment.numel)
-            self.rebase(fragment, merged[part], pushed[part], steps)
-            start += fragment.numel
+    def rebase_all(self, layout: Layout, merged: memoryview, pushed: memoryview, steps: int) -> None:
+        """`rebase` every fragment from model-wide moments in their wire form, a fragment at a time."""
+        fleet, own = _scratch(layout), _scratch(layout)
+        for fragment, span in moment_spans(layout):
+            self.rebase(fragment, decode_fragment(merged, fragment, span, fleet),
+                        decode_fragment(pushed, fragment, span, own), steps)
 
     def rebase(self, fragment: Fragment, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
         """m ← m + β^steps·(merged − pushed) for every tensor of the fragment: the moment the island

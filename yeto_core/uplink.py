@@ -23,7 +23,6 @@ from yeto_core.codecs import BF16, F32, Bf16Parts, Codec, tensor_bytes
 from yeto_core.faults import FaultInjector
 from yeto_core.layout import Layout
 from yeto_core.link import Inbound, InitWanted, PushEnded, PushJob
-from yeto_core.moments import encode_moment
 from yeto_core.net.tickets import Concatenated, Payload, SendTicket
 from yeto_core.wire.messages import PUSH_MOMENT, Init, Message, Push
 
@@ -54,8 +53,7 @@ class PushEncoder:
             payload = self._buffers.get(nbytes) or self._buffers.setdefault(nbytes, receive_buffer(nbytes))
             self.codec.encode(job.delta, payload)
         if job.moment is not None:
-            moment = job.moment_wire if job.moment_wire is not None else encode_moment(job.moment)
-            payload, nbytes = Concatenated([payload, moment]), nbytes + len(moment)
+            payload, nbytes = Concatenated([payload, job.moment]), nbytes + len(job.moment)
         step_us = 0 if job.step_s is None else min(int(job.step_s * 1e6), 2**32 - 1)
         codec = self.codec.wire_id | (PUSH_MOMENT if job.moment is not None else 0)
         msg = Push(job.pull.round, job.pull.attempt, job.pull.fragment, job.base_version, job.tokens, job.steps,

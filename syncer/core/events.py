@@ -76,7 +76,7 @@ class Decoded:
     delta: torch.Tensor | str
     inline: bool = False
     carried: bool = False
-    moment: torch.Tensor | None = None  # the learner's optimizer first moment, when the push carried it
+    moment: memoryview | None = None  # the learner's optimizer first moment, when the push carried it
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 from syncer.merge.merge import check_finite
 from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
-from yeto_core.moments import decode_moment, moment_nbytes
+from yeto_core.moments import moment_nbytes, moment_problem
 from yeto_core.wire.messages import PUSH_MOMENT, Init, Message, Push
 
 
@@ -57,9 +57,10 @@ def payload_screen(msg: Message) -> Callable[[memoryview], bool] | None:
 
 
 def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
-                screened: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | str:
-    """The push's f32 delta and, with `PUSH_MOMENT`, the model's first moment that follows it
-    (DESIGN §3.9); or why they cannot be used (a bad block header or scale, NaN, Inf in either)."""
+                screened: bool | None = None) -> tuple[torch.Tensor, memoryview | None] | str:
+    """The push's f32 delta and, with `PUSH_MOMENT`, the model's first moment that follows it,
+    checked and kept in its wire form (DESIGN §3.9); or why they cannot be used (a bad block header
+    or scale, NaN, Inf in either)."""
     if not msg.codec & PUSH_MOMENT:
         delta = decode_delta(layout, msg, payload, codec, screened)
         return delta if isinstance(delta, str) else (delta, None)
@@ -67,12 +68,10 @@ def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
     delta = decode_delta(layout, msg, payload[:cut], codec, screened)
     if isinstance(delta, str):
         return delta
-    try:
-        moment = decode_moment(layout, payload[cut:])
-    except ValueError as exc:
-        return f"push for fragment {msg.fragment}: first moment: {exc}"
-    if check_finite(moment.view(1, -1)) is not None:
-        return f"first moment sent with fragment {msg.fragment} contains NaN or Inf"
+    moment = payload[cut:]
+    problem = moment_problem(layout, moment)
+    if problem is not None:
+        return f"push for fragment {msg.fragment}: first moment: {problem}"
     return delta, moment
 
 

@@ -66,7 +66,7 @@ class Answer:
     at: float = 0.0  # when it arrived (the coordinator's clock)
     age: int = 0  # commits of its fragment since this learner's last merged answer to it (set for the merge)
     origin: int = -1  # the round the push answered (a carried one: the round it was late for)
-    moment: torch.Tensor | None = None  # the learner's optimizer first moment at its push (DESIGN §3.9)
+    moment: memoryview | None = None  # the learner's optimizer first moment at its push (DESIGN §3.9)
 
 
 @dataclasses.dataclass

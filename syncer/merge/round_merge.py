@@ -45,7 +45,6 @@ class MergeOutcome:
     delta_norms: list[float]
     merge_ms: float
     overflowed: dict[int, float] = field(default_factory=dict)  # learner -> largest |value| of its delta
-    moment: torch.Tensor | None = None  # the merged learners' optimizer first moments, averaged (DESIGN §3.9)
 
 
 class MergeWorkspace:
@@ -238,27 +237,12 @@ def merge_round(
         if screen_step(outer, params, momentum, grad, outer_state, grad_norm=grad_norm, scratch=scratch):
             kept = [float(w) for w in weights]
             return MergeOutcome(ordered, kept, grad_norm, [norms[a.learner_id] for a in ordered],
-                                spent_ms + (time.perf_counter() - t0) * 1000, overflowed,
-                                merged_moment(ordered, kept))
+                                spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
         largest = [max_abs(a.delta) for a in ordered]
         worst = max(range(len(ordered)), key=lambda i: largest[i])
         overflowed[ordered.pop(worst).learner_id] = largest[worst]
         weights = grad = None
     return MergeOutcome([], [], 0.0, [], spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
-
-
-def merged_moment(ordered: list[Answer], weights: list[float]) -> torch.Tensor | None:
-    """The first moments the merged learners sent with their pushes, averaged with the merge's own
-    weights over those that sent one, in learner-id order; None when none did (DESIGN §3.9). A fresh
-    tensor: the broadcasts that carry it may still read it when the next round merges."""
-    sent = [(a.moment, w) for a, w in zip(ordered, weights, strict=True) if a.moment is not None]
-    if not sent:
-        return None
-    total = sum(w for _, w in sent)
-    out = torch.zeros_like(sent[0][0])
-    for moment, w in sent:
-        out.add_(moment, alpha=w / total)
-    return out
 
 
 def _rows(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspace | None,

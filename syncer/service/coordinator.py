@@ -80,7 +80,7 @@ from syncer.durability.stopping import POLL_S, Stopped, StopRequest
 from syncer.durability.tape import EventTape
 from syncer.merge.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.merge.round_merge import PreparedMerge, RoundMerger
-from syncer.service.moments import MomentRelay
+from syncer.service.moments import MomentRelay, merged_moment
 from syncer.service.traffic import BroadcastTimer, ShellObserver, wire_size
 from yeto_core.buffers import BufferPool
 from yeto_core.codecs import tensor_bytes
@@ -110,7 +110,7 @@ def decoded(effect: Decode, layout: Layout, device: torch.device) -> Decoded:
         if isinstance(parts, str):
             delta: torch.Tensor | str = parts
         else:
-            delta, moment = parts[0].to(device), None if parts[1] is None else parts[1].to(device)
+            delta, moment = parts[0].to(device), parts[1]  # the moment stays in its wire form until merged
     except Exception as exc:
         delta = f"decode failed: {exc}"
     return Decoded(effect.learner_id, effect.generation, effect.attempt, effect.msg, delta, inline=effect.inline,
@@ -464,5 +464,7 @@ class Coordinator:
                 del self._prepared[stale]
         outcome, back = self.merger.merge(lent, list(effect.answers), list(effect.segments), prepared=prepared)
         if outcome.answers:  # the commit makes the fragment's next version, and its broadcasts carry this
-            self.moments.merged(f, lent.outer_steps + 1, outcome.moment)
+            layout = self.protocol.layout
+            assert layout is not None
+            self.moments.merged(f, lent.outer_steps + 1, merged_moment(layout, outcome.answers, outcome.weights))
         return Merged(effect.round, outcome, back)

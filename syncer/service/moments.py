@@ -12,13 +12,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-import torch
-
-from yeto_core.moments import encode_moment
+from syncer.core.rounds import Answer
+from yeto_core.layout import Layout
+from yeto_core.moments import average_moments
 from yeto_core.net.tickets import Concatenated, Payload
 from yeto_core.wire.messages import BCAST_MOMENT, PUSH_MOMENT, Bcast, Push
 
 HELD_MERGES = 2  # the rounds a syncer may have in flight (its pipeline): their broadcasts follow their merge
+
+
+def merged_moment(layout: Layout, merged: list[Answer], weights: list[float]) -> memoryview | None:
+    """The first moments the merged learners sent with their pushes, averaged with the merge's own
+    weights over those that sent one, in learner-id order, in wire form; None when none did. A
+    pure function of the merge, decoded and encoded a fragment at a time."""
+    sent = [(a.moment, w) for a, w in zip(merged, weights, strict=True) if a.moment is not None]
+    return average_moments(layout, sent) if sent else None
 
 
 class MomentRelay:
@@ -36,12 +44,13 @@ class MomentRelay:
         else:
             self.sharing.discard(learner_id)
 
-    def merged(self, fragment: int, version: int, moment: torch.Tensor | None) -> None:
-        """A merge made `version` of `fragment`; `moment`: the average of its learners' moments."""
+    def merged(self, fragment: int, version: int, moment: memoryview | None) -> None:
+        """A merge made `version` of `fragment`; `moment`: the average of its learners' moments,
+        in wire form."""
         self._merged.pop((fragment, version), None)
         if moment is None:
             return
-        self._merged[(fragment, version)] = encode_moment(moment.detach().to("cpu", dtype=torch.float32).reshape(-1))
+        self._merged[(fragment, version)] = moment
         while len(self._merged) > HELD_MERGES:
             self._merged.popitem(last=False)
 

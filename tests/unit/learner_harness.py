@@ -12,6 +12,7 @@ import torch
 from yeto_core.layout import Layout
 from yeto_core.learner import LearnerSession
 from yeto_core.link import Connected, Inbound, InitWanted, LayoutFor, Lost, PushJob, Received
+from yeto_core.moments import encode_moment
 from yeto_core.probe import ProbeResult
 from yeto_core.sections import Schedule
 from yeto_core.settings import LearnerSettings
@@ -70,8 +71,11 @@ class MemoryLink:
               last: bool = False, moment: torch.Tensor | None = None) -> None:
         flags = BCAST_FULL | (BCAST_MERGED if merged else 0) | (BCAST_LAST if last else 0)
         flags |= BCAST_MOMENT if moment is not None else 0
-        self.events.append(Received(Bcast(fragment, version, round_id, flags, 0, 0, 0), values.clone(),
-                                    None if moment is None else moment.clone()))
+        wire = None
+        if moment is not None:
+            assert self.layout is not None, "a moment comes with a broadcast after the session started"
+            wire = encode_moment(self.layout, moment)
+        self.events.append(Received(Bcast(fragment, version, round_id, flags, 0, 0, 0), values.clone(), wire))
 
     def final(self, fragment: int, version: int, values: torch.Tensor, rounds: int = 1) -> None:
         self.events.append(Received(Final(fragment, version, self.num_fragments, rounds, 0, 0, 0), values.clone()))
