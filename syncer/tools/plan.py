@@ -126,6 +126,7 @@ class Setup:
     grace_gamma: float = 1.0
     grace_tau: float = 2.0
     tcp_efficiency: float = MSS / ETHERNET_FRAME  # TCP payload per line byte at MTU 1500
+    share_momentum: bool = False  # YETO_DILOCO_SHARE_MOMENTUM: every push and broadcast carries the model's moment
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class Memory:
     receive_buffers: float
     checkpoint_copies: float
     runtime: float
+    shared_moments: float = 0.0
 
     @property
     def total(self) -> float:
@@ -263,6 +265,12 @@ def push_wire_bytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
     return bulk_frames(payload_bytes(codec, numel, block), PUSH_BODY)
 
 
+def moment_bytes(sizes: Sequence[int]) -> int:
+    """A model's first moment on the wire (yeto_core/moments.py moment_nbytes): one int4 payload at
+    the default block per fragment, carried by every push and broadcast when moments are shared."""
+    return sum(payload_bytes("int4", n, DEFAULT_BLOCK) for n in sizes)
+
+
 def bcast_wire_bytes(downlink: str, numel: int, full_every: int = BCAST_FULL_EVERY) -> float:
     """One broadcast of a fragment to one learner, with the PULL of the next round (small, same
     direction). bf16 deltas: the mean over versions of full_every − 1 deltas and one FULL."""
@@ -310,6 +318,9 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
         receive_buffers=float(pushing * encoded),
         checkpoint_copies=8.0 * n_total if host.background_checkpoint else 0.0,
         runtime=float(RUNTIME_BYTES),
+        # Each answer's moment in its receive buffer, the averages of the last two merges kept for
+        # the broadcasts (syncer/service/moments.py), and a merge's two fragment scratches.
+        shared_moments=(moment_bytes(sizes) * (depth * pushing + 2) + 8.0 * n_max) if setup.share_momentum else 0.0,
     )
 
 
@@ -327,20 +338,27 @@ class IslandMemory:
     work_buffers: float
     push_payload: float
     broadcast_receive: float
+    shared_moments: float = 0.0
 
     @property
     def total(self) -> float:
         return sum(getattr(self, f) for f in self.__dataclass_fields__)
 
 
-def island_memory(choice: Choice, sizes: Sequence[int], block: int = DEFAULT_BLOCK) -> IslandMemory:
+def island_memory(choice: Choice, sizes: Sequence[int], block: int = DEFAULT_BLOCK, *,
+                  share_momentum: bool = False) -> IslandMemory:
     """Counted from yeto_core/fragment_sync.py (an f32 anchor per fragment, θ at its last install),
     yeto_core/store.py (fragment work buffers: the ones the pool keeps idle and a push's delta) and
-    yeto_core/client.py (a push's encoded payload; a broadcast's receive buffer)."""
+    yeto_core/client.py (a push's encoded payload; a broadcast's receive buffer); with shared
+    moments yeto_core/moments.py (the moment of each push in flight, a broadcast's, two fragment
+    scratches)."""
     n_total, n_max = sum(sizes), max(sizes)
     down = 4 * n_max if choice.downlink == "f32" else 2 * n_max
+    depth = min(choice.pipeline, choice.fragments)
+    moments = moment_bytes(sizes) * (depth + 1) + 8.0 * n_max if share_momentum else 0.0
     return IslandMemory(anchors=4.0 * n_total, work_buffers=4.0 * (STEADY_WORK_BUFFERS + 1) * n_max,
-                        push_payload=float(payload_bytes(choice.codec, n_max, block)), broadcast_receive=float(down))
+                        push_payload=float(payload_bytes(choice.codec, n_max, block)), broadcast_receive=float(down),
+                        shared_moments=moments)
 
 
 # ---- one choice ---------------------------------------------------------------------------------------
@@ -382,6 +400,8 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
     n_mean = sum(sizes) / p
     push = sum(push_wire_bytes(choice.codec, n, setup.block) for n in sizes) / p
     bcast = sum(bcast_wire_bytes(choice.downlink, n) for n in sizes) / p
+    moment = moment_bytes(sizes) if setup.share_momentum else 0
+    push, bcast = push + moment, bcast + moment  # the same bulk message, a longer payload
     islands, k, m = setup.islands, setup.quorum, len(setup.islands)
     depth = min(choice.pipeline, p)  # syncer/core/rounds.py pipeline_depth
     every = max(1, h // p)  # LearnerSession.boundary_every
@@ -405,6 +425,8 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
         pushes = [min(1.0, round_s / c) for c in cycle]
         answers = sum(pushes)
         serial = merge_seconds(n_mean, answers, host.merge_bps) + host.commit_s + checkpoint
+        if setup.share_momentum:  # the moments' average: each answer's decoded and the mean encoded, all N
+            serial += 4.0 * sum(sizes) * (answers + 1) / host.merge_bps
         syncer_in = answers * push / host.link_in_bps if host.link_in_bps else 0.0
         syncer_out = m * bcast / host.link_out_bps if host.link_out_bps else 0.0
         # pushes of one round arrive together, so they share the syncer's link
@@ -438,7 +460,8 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
                       up_bytes_per_round=answers * push, down_bytes_per_round=m * bcast,
                       up_wire_bytes_per_round=on_the_wire(answers * push, m * bcast, setup.tcp_efficiency),
                       down_wire_bytes_per_round=on_the_wire(m * bcast, answers * push, setup.tcp_efficiency),
-                      memory=memory, island_memory=island_memory(choice, sizes, setup.block))
+                      memory=memory,
+                      island_memory=island_memory(choice, sizes, setup.block, share_momentum=setup.share_momentum))
 
 
 def on_the_wire(forward: float, reverse: float, efficiency: float) -> float:

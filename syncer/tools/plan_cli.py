@@ -157,7 +157,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
     quorum = args.quorum or default_quorum(m)
     islands = tuple(Island(u, d, s) for u, d, s in zip(ups, downs, steps, strict=True))
     setup = Setup(model, islands, quorum, host, pattern=args.pattern, block=args.push_block, rtt_s=args.rtt_ms / 1000,
-                  queue_s=args.queue_ms / 1000, tcp_efficiency=eff)
+                  queue_s=args.queue_ms / 1000, tcp_efficiency=eff, share_momentum=args.share_momentum)
     args.measured = measured  # printed with the plan
     return setup
 
@@ -253,11 +253,14 @@ def prediction_lines(setup: Setup, pred: Prediction) -> list[str]:
              + f" + answers in flight {_gib(mem.answers_in_flight)} + merge workspace {_gib(mem.merge_workspace)}"
              f" + broadcast copy {_gib(mem.broadcast_copy)} + receive buffers {_gib(mem.receive_buffers)}"
              + (f" + checkpoint copies {_gib(mem.checkpoint_copies)}" if mem.checkpoint_copies else "")
+             + (f" + shared moments {_gib(mem.shared_moments)}" if mem.shared_moments else "")
              + f" + runtime {_gib(mem.runtime)}",
              f"island memory beyond its weights (rank 0): {_gib(pred.island_memory.total)} = anchors "
              f"{_gib(pred.island_memory.anchors)} + work buffers {_gib(pred.island_memory.work_buffers)} + push "
              f"payload {_gib(pred.island_memory.push_payload)} + broadcast receive "
-             f"{_gib(pred.island_memory.broadcast_receive)}"]
+             f"{_gib(pred.island_memory.broadcast_receive)}"
+             + (f" + shared moments {_gib(pred.island_memory.shared_moments)}"
+                if pred.island_memory.shared_moments else "")]
     state = 8.0 * sum(sizes)
     if not setup.host.checkpoint_every:
         lines.append(f"  not counted: checkpoints; one is {_gib(state)} (a synchronous one every N rounds holds "
@@ -332,6 +335,8 @@ def parser() -> argparse.ArgumentParser:
     choice.add_argument("--pipeline", type=int, help="rounds in flight")
     choice.add_argument("--pattern", choices=("binpack", "strided"), default="binpack", help="fragment layout")
     choice.add_argument("--push-block", type=int, default=128, help="values per scale of the quantized codecs")
+    choice.add_argument("--share-momentum", action="store_true",
+                        help="YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry the model's moment")
     choice.add_argument("--target-utilization", type=float, default=0.95, help="compute / round time to reach")
     choice.add_argument("--min-h", type=int, default=24, help="smallest H considered (24: yeto's default)")
     choice.add_argument("--max-h", type=int, default=4096, help="largest H considered")

@@ -27,6 +27,7 @@ from syncer.tools.plan import (
     bcast_wire_bytes,
     fragment_params,
     island_memory,
+    moment_bytes,
     on_the_wire,
     payload_bytes,
     predict,
@@ -297,6 +298,31 @@ def test_refuses_bad_islands(islands: tuple[Island, ...], quorum: int, match: st
         predict(Setup(flat_model(1000, 1000), islands, quorum, HOST), Choice(8, "f32", "f32", 2, 1))
 
 
+def test_shared_moments_add_the_models_moment_to_every_push_and_broadcast_and_to_both_sides_memory() -> None:
+    """The moment's bytes are the live sessions' (`moment_nbytes`), on the wire and in memory."""
+    from yeto_core.layout import specs_from_named_tensors
+    from yeto_core.moments import moment_nbytes
+
+    numels = [1_000_003, 999_000, 1_200_000, 800_000]
+    named = [(f"layers.{i}.w", torch.empty(n, device="meta")) for i, n in enumerate(numels)]
+    setup = Setup(flat_model(*numels), two_islands(rate=1e9), 2, HOST)
+    choice = Choice(24, "f32", "f32", 4, 2)
+    plain, shared = predict(setup, choice), predict(replace(setup, share_momentum=True), choice)
+    sizes = plain.fragment_params
+    layout = build_layout(specs_from_named_tensors(named), 4, "binpack")
+    assert sorted(f.numel for f in layout.fragments) == sorted(sizes)
+    moment = moment_bytes(sizes)
+    assert moment == moment_nbytes(layout) and 0.53 < moment / sum(numels) < 0.54  # ≈ 4.3 bits a value
+    assert shared.push_bytes == pytest.approx(plain.push_bytes + moment)
+    assert shared.bcast_bytes == pytest.approx(plain.bcast_bytes + moment)
+    assert shared.serial_s > plain.serial_s  # the whole model's moments are averaged every round
+    assert plain.memory.shared_moments == 0 and plain.island_memory.shared_moments == 0
+    depth = 2
+    assert shared.memory.shared_moments == pytest.approx(moment * (depth * 2 + 2) + 8 * max(sizes))
+    assert shared.island_memory.shared_moments == pytest.approx(moment * (depth + 1) + 8 * max(sizes))
+    assert shared.memory.total - plain.memory.total == pytest.approx(shared.memory.shared_moments)
+
+
 # ---- the command ---------------------------------------------------------------------------------------------------
 
 
@@ -312,7 +338,11 @@ def test_cli_on_an_hf_config_dir(tmp_path: Path, capsys: pytest.CaptureFixture[s
                          "--down-mbps", "100", "--step-s", "0.5")
     assert code == 0, err
     assert "recommended: H=24, push codec f32, downlink f32" in out
-    assert "compute utilization" in out and "syncer memory:" in out
+    assert "compute utilization" in out and "syncer memory:" in out and "shared moments" not in out
+    code, out, err = run(capsys, "--model", str(tmp_path), "--islands", "3", "--up-mbps", "100", "--down-mbps", "100",
+                         "--step-s", "0.5", "--share-momentum")
+    assert code == 0, err
+    assert out.count("+ shared moments") == 2  # the syncer's memory and an island's
     code, out, err = run(capsys, "--model", str(tmp_path), "--islands", "2", "--up-mbps", "100", "--down-mbps", "100",
                          "--step-s", "0.5", "--lora-r", "4", "--json")
     assert code == 0, err
