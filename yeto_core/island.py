@@ -35,7 +35,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +43,7 @@ from yeto_core.conductor import Outcome
 from yeto_core.consensus_report import Probe
 from yeto_core.learner import LearnerSession, LearnerStats
 from yeto_core.learner_metrics import LearnerMetricsServer
+from yeto_core.moments import MomentError
 from yeto_core.settings import LearnerSettings, SettingsError
 from yeto_core.store import TensorStore
 from yeto_core.web_server import read_token
@@ -145,6 +146,22 @@ class IslandSession:
         return IslandStats(s.steps, s.pushes, s.installs, s.final_installed, s, self._in_yeto_s)
 
     # -- the collective calls ------------------------------------------------------------------
+    def share_momentum(self, optimizer: Any) -> None:
+        """Share the optimizer's first moment with the other islands (DESIGN §3.9). Every rank calls
+        it with its own optimizer, once it exists; a store of several ranks must offer `moments`
+        (their reads and writes are collectives), or the setting is refused (`MomentError`)."""
+        if self.store is None:
+            assert self.session is not None
+            self.session.share_momentum(optimizer)
+            return
+        make = getattr(self.store, "moments", None)
+        if make is None:
+            raise MomentError(f"YETO_DILOCO_SHARE_MOMENTUM: this island's {type(self.store).__name__} cannot share "
+                              "the optimizer's moment yet; unset it")
+        moments = make(optimizer)
+        if self.session is not None:
+            self.session.share_moments(moments)
+
     def start(self, first_step: int = 0) -> None:
         """Connect and install the initial cut. A permanent refusal raises here (on every rank),
         unless `alone_if_refused` lets the island train on alone. `first_step`: the trainer's step

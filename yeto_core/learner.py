@@ -126,7 +126,12 @@ class LearnerSession:
         if not isinstance(self.store, LocalStore):
             raise MomentError("YETO_DILOCO_SHARE_MOMENTUM needs the trainer's own tensors; this island's "
                               f"{type(self.store).__name__} keeps them elsewhere")
-        self.sync.moments = OptimizerMoments(optimizer, list(self.store.params.items()))
+        self.share_moments(OptimizerMoments(optimizer, list(self.store.params.items())))
+
+    def share_moments(self, moments: OptimizerMoments) -> None:
+        """`share_momentum` through `moments`: an island of several ranks reads and changes its
+        optimizer's moment through its store's collectives (`yeto_plugins.torch_dist.moments`)."""
+        self.sync.moments = moments
 
     # -- what a driver may look at -------------------------------------------------------------
     @property

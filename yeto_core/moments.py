@@ -197,18 +197,29 @@ class OptimizerMoments:
         """`rebase` every fragment from model-wide moments in their wire form, a fragment at a time."""
         fleet, own = _scratch(layout), _scratch(layout)
         for fragment, span in moment_spans(layout):
-            self.rebase(fragment, decode_fragment(merged, fragment, span, fleet),
-                        decode_fragment(pushed, fragment, span, own), steps)
+            mean = decode_fragment(merged, fragment, span, fleet)
+            self.rebase(fragment, mean, decode_fragment(pushed, fragment, span, own), steps, out=mean)
 
-    def rebase(self, fragment: Fragment, merged: torch.Tensor, pushed: torch.Tensor, steps: int) -> None:
+    def rebase(self, fragment: Fragment, merged: torch.Tensor, pushed: torch.Tensor, steps: int, *,
+               out: torch.Tensor | None = None) -> None:
         """m ← m + β^steps·(merged − pushed) for every tensor of the fragment: the moment the island
         would hold had it taken the fleet's `merged` moment instead of its own `pushed` one `steps`
-        optimizer steps ago."""
+        optimizer steps ago. `out`: where to form the change (it may be `merged`)."""
+        self.add(fragment, self.change(fragment, merged, pushed, steps, out=out))
+
+    def change(self, fragment: Fragment, merged: torch.Tensor, pushed: torch.Tensor, steps: int, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """β^steps·(merged − pushed) for the fragment's tensors, each at its own group's β."""
+        out = torch.sub(merged, pushed, out=out)
+        for slot in fragment.slots:
+            out[slot.offset : slot.offset + slot.numel].mul_(self._beta[slot.name] ** max(0, steps))
+        return out
+
+    def add(self, fragment: Fragment, change: torch.Tensor) -> None:
+        """m ← m + change for every tensor of the fragment that has a moment."""
         for slot in fragment.slots:
             moment = self._moment(slot.name)
             if moment is None or moment.numel() != slot.numel:
                 continue
-            part = slice(slot.offset, slot.offset + slot.numel)
-            change = merged[part] - pushed[part]
-            moment.add_(change.view(moment.shape).to(device=moment.device, dtype=moment.dtype),
-                        alpha=self._beta[slot.name] ** max(0, steps))
+            part = change[slot.offset : slot.offset + slot.numel]
+            moment.add_(part.view(moment.shape).to(device=moment.device, dtype=moment.dtype))

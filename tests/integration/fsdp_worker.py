@@ -2,6 +2,7 @@
 
     python fsdp_worker.py exact    # reads and writes through ProcessGroupStore are exact; moments kept
     python fsdp_worker.py train    # a lone learner against the syncer in YETO_DILOCO_*, lock-stepped
+    python fsdp_worker.py moments  # the shared first moment read and changed by every rank (FSDP2, DDP)
 
 With WORLD_SIZE 1 `train` runs the same schedule as one plain process (no FSDP), the reference.
 Every rank reports a JSON dict through `launch.report`.
@@ -27,6 +28,7 @@ from launch import end_rank, report
 from yeto_core.conductor import Outcome
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
+from yeto_core.moments import decode_moment, encode_moment
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.torch_dist.store import ProcessGroupStore
 
@@ -131,6 +133,59 @@ def mode_exact(rank: int, world: int) -> None:
     report({"problems": problems, "sharded": store.sharded, "moments": len(moments)})
 
 
+def mode_moments(rank: int, world: int) -> None:
+    """An FSDP2 island (moments sharded like their parameters) and a DDP-like one (every rank the
+    same full replica, trained on the whole batch): rank 0 reads the whole moment, and a change it
+    makes reaches every rank's shard or replica exactly."""
+    report({"problems": [p for kind in ("fsdp2", "ddp") for p in moments_problems(kind, rank, world)]})
+
+
+def moments_problems(kind: str, rank: int, world: int) -> list[str]:
+    problems: list[str] = []
+    model, target = build(world if kind == "fsdp2" else 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99))
+    for step in range(3):
+        train_step(model, target, opt, step, 0 if kind == "ddp" else rank, 1 if kind == "ddp" else world)
+    named = list(model.named_parameters())
+    store = ProcessGroupStore(named)
+    moments = store.moments(opt)
+    layout = build_layout(store.specs, 2)
+    exp_avg = {name: opt.state[p]["exp_avg"] for name, p in named}
+    before = {name: full(m).float().clone() for name, m in exp_avg.items()}  # every rank: a collective
+    box: dict[str, Any] = {}
+
+    def read() -> bool:
+        box["wire"] = moments.encode_all(layout)
+        return False
+
+    store.run(read if rank == 0 else None)
+    wire = share(None if box.get("wire") is None else bytes(box["wire"]))
+    if wire is None:  # shared: every rank leaves here together
+        store.close()
+        return [f"{kind}: rank 0 read no moment"]
+    exact = torch.cat([before[slot.name].reshape(-1) for fragment in layout.fragments for slot in fragment.slots])
+    if bytes(encode_moment(layout, exact)) != wire:  # the optimizer's moment, read exactly, then encoded
+        problems.append(f"{kind}: rank 0 read another moment than its optimizer's")
+    mine = decode_moment(layout, memoryview(wire))
+    merged = encode_moment(layout, mine + torch.linspace(-1, 1, layout.total_numel))
+    shift = decode_moment(layout, merged) - mine
+    store.run((lambda: moments.rebase_all(layout, merged, memoryview(wire), 2)) if rank == 0 else None)
+    start = 0
+    for fragment in layout.fragments:
+        for slot in fragment.slots:
+            want = before[slot.name] + 0.8**2 * shift[start + slot.offset : start + slot.offset + slot.numel].view(
+                slot.shape)
+            if not torch.allclose(full(exp_avg[slot.name]).float(), want, rtol=0, atol=1e-6):
+                problems.append(f"{kind}: rank {rank}: {slot.name}'s moment did not take the change")
+        start += fragment.numel
+    digest = hashlib.sha256(b"".join(full(m).float().numpy().tobytes() for m in exp_avg.values())).hexdigest()
+    if share(digest) != digest:  # every rank compares its own with rank 0's
+        problems.append(f"{kind}: rank {rank}'s moments differ from rank 0's")
+    train_step(model, target, opt, 3, 0 if kind == "ddp" else rank, 1 if kind == "ddp" else world)
+    store.close()
+    return problems
+
+
 def settle(session: LearnerSession, store: ProcessGroupStore, what: Callable[[LearnerSession], bool],
            deadline: float) -> None:
     """Rank 0: drain the syncer's messages (nothing is installed) until `what` holds."""
@@ -185,7 +240,7 @@ if __name__ == "__main__":
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        {"exact": mode_exact, "train": mode_train}[sys.argv[1]](rank, world)
+        {"exact": mode_exact, "train": mode_train, "moments": mode_moments}[sys.argv[1]](rank, world)
     finally:
         dist.destroy_process_group()
     end_rank()

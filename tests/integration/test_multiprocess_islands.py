@@ -92,6 +92,40 @@ def test_an_fsdp2_island_reads_and_writes_exactly_and_matches_one_process(procs:
         assert (finals[2][name] - value).abs().max() < 1e-5, f"{name}: FSDP2 island and one process differ"
 
 
+@pytest.mark.timeout(120)
+def test_an_islands_ranks_share_the_optimizers_moment_together() -> None:
+    """DESIGN §3.9 on an island of two ranks: rank 0 reads the whole first moment (FSDP2's shards
+    all-gathered, DDP's replica its own), and the fleet's moment it folds in reaches every rank's
+    shard or replica, so the replicas stay equal."""
+    sys.path.insert(0, str(ROOT / "tests" / "mcore"))
+    from launch import run_ranks
+
+    for r in run_ranks(FSDP_WORKER, 2, args=["moments"], timeout_s=90):
+        assert r.result is not None and r.result["problems"] == [], r.result
+
+
+@pytest.mark.timeout(300)
+def test_two_ddp_islands_share_their_moments_and_end_with_the_syncers_final_weights(procs: Procs,
+                                                                                  key_file: Path) -> None:
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, total_rounds=16)
+    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000, share_momentum=True)
+               for n in range(2)]
+    codes = wait_all(islands, 240)  # type: ignore[arg-type]
+    assert codes == [0, 0], tails(islands)  # type: ignore[arg-type]
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    assert syncer.checkpoint is not None
+    final = checkpoint_params(syncer.checkpoint)
+    commits = syncer.commits()
+    assert any(c.get("moments") for c in commits), "no round merged a moment"
+    for n, island in enumerate(islands):
+        shared = [e["moments_shared"] for e in island.events("train")  # type: ignore[attr-defined]
+                  if e.get("moments_shared") is not None]
+        assert shared and max(shared) > 0, f"island {n} folded in no fleet moment: {shared}"
+        weights = island.events("weights")  # type: ignore[attr-defined]
+        assert len({w["sha256"] for w in weights}) == 1, f"island {n}: its ranks hold different weights"
+        assert_bit_identical(model_tensors(model_dir(island)), final, f"island {n}")  # type: ignore[arg-type]
+
+
 DEEPSPEED_WORKER = ROOT / "tests" / "integration" / "deepspeed_worker.py"
 
 

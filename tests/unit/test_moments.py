@@ -416,3 +416,21 @@ def test_the_whole_models_moment_runs_in_fragment_order_and_rebases_every_tensor
             want = before[slot.name] + 0.5 * shift[start + slot.offset : start + slot.offset + slot.numel]
             torch.testing.assert_close(by_name[slot.name], want, rtol=0, atol=1e-6)
         start += fragment.numel
+
+
+def test_islands_whose_optimizer_keeps_its_moments_elsewhere_are_refused_naming_the_setting() -> None:
+    """DeepSpeed ZeRO and Megatron keep their moments in partitions of their own: refused before
+    anything is built, in one line naming the setting."""
+    from types import SimpleNamespace
+
+    from yeto_core.settings import LearnerSettings
+    from yeto_plugins.megatron.sync import MegatronDiLoCoSync
+    from yeto_plugins.torch_dist.moments import IslandMoments
+
+    partitioned = torch.nn.Parameter(torch.zeros(4))
+    partitioned.ds_id = 1  # type: ignore[attr-defined]  # what ZeRO-3 marks its parameters with
+    with pytest.raises(MomentError, match=r"SHARE_MOMENTUM: DeepSpeed ZeRO.*'w'"):
+        IslandMoments(SimpleNamespace(params={"w": partitioned}), torch.optim.AdamW([partitioned]))  # type: ignore[arg-type]
+    settings = LearnerSettings(syncer="127.0.0.1:7070", share_momentum=True)
+    with pytest.raises(MomentError, match=r"SHARE_MOMENTUM: Megatron's optimizer.*unset it"):
+        MegatronDiLoCoSync([torch.nn.Linear(2, 2)], object(), settings)

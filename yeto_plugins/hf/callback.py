@@ -68,20 +68,18 @@ class YetoDiLoCo(TrainerCallback):
         self.island = build_island(self.settings, model, collective=args.world_size > 1, on_final=on_final)
         if self.settings.share_momentum:
             with settings_exit():  # one line naming the setting, exit 2
-                self._share_momentum(args, kwargs.get("optimizer"))
+                self._share_momentum(kwargs.get("optimizer"))
         with island_exit():  # a link too slow to join ends the process with code 75 and one line
             self.island.start(first_step=state.global_step)
 
-    def _share_momentum(self, args: TrainingArguments, optimizer: Any) -> None:
-        """Hand the Trainer's optimizer to the session (DESIGN §3.9). The Trainer builds it before
-        `on_train_begin` (`Trainer._prepare_for_training` updates the callback handler's references)."""
-        if args.world_size > 1:
-            raise MomentError("YETO_DILOCO_SHARE_MOMENTUM is for a single-process island for now; this "
-                              f"Trainer runs {args.world_size} processes")
+    def _share_momentum(self, optimizer: Any) -> None:
+        """Hand the Trainer's optimizer to the island, on every rank (DESIGN §3.9). The Trainer
+        builds it before `on_train_begin` (`Trainer._prepare_for_training` updates the callback
+        handler's references)."""
         if optimizer is None:
             raise MomentError("YETO_DILOCO_SHARE_MOMENTUM: the Trainer passed no optimizer to the callback")
-        assert self.island is not None and self.island.session is not None
-        self.island.session.share_momentum(optimizer)
+        assert self.island is not None
+        self.island.share_momentum(optimizer)  # every rank: an island of several reads it together
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> TrainerControl:

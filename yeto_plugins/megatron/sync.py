@@ -27,6 +27,7 @@ import torch
 from yeto_core.island import IslandSession, IslandStats
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
+from yeto_core.moments import MomentError
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.exits import island_exit
 from yeto_plugins.megatron.names import EMBEDDING
@@ -43,6 +44,9 @@ class MegatronDiLoCoSync:
                  settings: LearnerSettings | None = None, *, on_final: str = "training stops",
                  **overrides: Any) -> None:
         self.settings = settings if settings is not None else load_settings(LearnerSettings, **overrides)
+        if self.settings.share_momentum:
+            raise MomentError("YETO_DILOCO_SHARE_MOMENTUM: Megatron's optimizer keeps its moments in its own "
+                              "(distributed) buffers, which yeto cannot read yet; unset it for a Megatron island")
         chunks = list(model) if isinstance(model, Sequence) else [model]
         self.store = IslandStore(chunks, optimizer, self.settings.island)
         self.rank = self.store.rank

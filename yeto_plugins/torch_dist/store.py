@@ -24,23 +24,26 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from yeto_core.conductor import FIRST_STORE_OP, ConductedStore
 from yeto_core.layout import Fragment, TensorSlot, TensorSpec, specs_from_named_tensors
+from yeto_core.moments import OptimizerMoments
 from yeto_core.sections import DEFAULT_ISLAND, IslandSettings
 from yeto_core.store import blend_into, check_fragment_values, fragment_buffer
 
 GATHER, INSTALL = FIRST_STORE_OP, FIRST_STORE_OP + 1
+FIRST_MOMENT_OP = FIRST_STORE_OP + 2  # the shared optimizer moment's ops (`moments.IslandMoments`)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" or hasattr(t, "device_mesh")
 
 
-def _zero_stage(t: torch.Tensor) -> int:
+def zero_stage(t: torch.Tensor) -> int:
     """3 for a ZeRO-3 partitioned parameter, 1 for one whose fp32 master a ZeRO-1/2 optimizer
     holds, 0 otherwise."""
     return 3 if hasattr(t, "ds_id") else 1 if hasattr(t, "_hp_mapping") else 0  # None where no part is local
@@ -48,7 +51,7 @@ def _zero_stage(t: torch.Tensor) -> int:
 
 def _collective(t: torch.Tensor) -> bool:
     """Reading the full value of `t` needs every rank."""
-    return _is_dtensor(t) or _zero_stage(t) > 0
+    return is_dtensor(t) or zero_stage(t) > 0
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -78,6 +81,13 @@ class ProcessGroupStore(ConductedStore):
         self.conductor.handlers[GATHER] = self._follow_read
         self.conductor.handlers[INSTALL] = lambda plan, numel, bits: self._write(
             self.conductor.plan_of(plan), torch.empty(numel, dtype=torch.float32), _bits_alpha(bits))
+
+    def moments(self, optimizer: Any) -> OptimizerMoments:
+        """The optimizer's first moment of these tensors, read and changed by every rank together
+        (DESIGN §3.9); every rank calls it with its own optimizer."""
+        from yeto_plugins.torch_dist.moments import IslandMoments
+
+        return IslandMoments(self, optimizer)
 
     # -- TensorStore (rank 0) ----------------------------------------------------------------
     def _plan(self, fragment: Fragment) -> tuple[int, tuple[TensorSlot, ...]]:
@@ -113,11 +123,11 @@ class ProcessGroupStore(ConductedStore):
     @staticmethod
     def _full(p: torch.Tensor) -> torch.Tensor:
         """The whole value of `p` (fp32 master under ZeRO); a collective for sharded parameters."""
-        if _zero_stage(p):
+        if zero_stage(p):
             from deepspeed.utils import safe_get_full_fp32_param
 
             return safe_get_full_fp32_param(p).detach()
-        return (p.full_tensor() if _is_dtensor(p) else p).detach()  # type: ignore[attr-defined]
+        return (p.full_tensor() if is_dtensor(p) else p).detach()  # type: ignore[attr-defined]
 
     @staticmethod
     def _write_zero(param: torch.Tensor, glob: torch.Tensor, alpha: float) -> None:
@@ -126,7 +136,7 @@ class ProcessGroupStore(ConductedStore):
         if alpha != 0.0:
             glob = ProcessGroupStore._full(param).float().mul_(alpha).add_(glob, alpha=1.0 - alpha)
         safe_set_full_fp32_param(param, glob)
-        if _zero_stage(param) == 3:
+        if zero_stage(param) == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -140,10 +150,10 @@ class ProcessGroupStore(ConductedStore):
             for slot in slots:
                 param = self.params[slot.name]
                 glob = values[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                if _zero_stage(param):
+                if zero_stage(param):
                     self._write_zero(param, glob, alpha)
                     continue
-                if _is_dtensor(param):
+                if is_dtensor(param):
                     from torch.distributed.tensor import distribute_tensor
 
                     glob = distribute_tensor(glob.to(param.dtype if alpha == 0.0 else torch.float32),

@@ -146,6 +146,8 @@ class YetoTrainingWorker(TrainingWorker):
                                     "fsdp2")
             # FSDP2 shards are DTensors: always the collective store, even for an island of one rank
             island = build_island(settings, engine.module, collective=True, on_final=ON_FINAL)
+            if settings.share_momentum:  # DESIGN §3.9: the FSDP2 moments are DTensors, read by every rank
+                island.share_momentum(engine.optimizer)
         total = self.optimizer_config.total_training_steps
         if total is None or total <= 0:
             log.warning("yeto: verl set no total_training_steps: the island gets the final cut only when the syncer "

@@ -1,6 +1,7 @@
 """Streaming RL islands (`YETO_DILOCO_RL_MODE=stream`): a DiLoCo boundary every H/P optimizer steps inside
 verl's actor updates. Two islands (one of two FSDP2 ranks) train against the real syncer until its round
-budget ends the run; every rank and every rollout then holds the syncer's final checkpoint bit for bit, and
+budget ends the run, sharing their optimizers' first moments (DESIGN §3.9: the FSDP2 moments are DTensors
+read by every rank); every rank and every rollout then holds the syncer's final checkpoint bit for bit, and
 the iterations verl still runs after the final cut leave the weights as they are."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ ROUNDS = 4  # H = P = 2: a fragment round per optimizer step, so the budget ends
 def finished(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Finished:
     return run_islands(tmp_path_factory.mktemp("stream"), tiny_model_dir, iterations=ITERATIONS,
                        syncer_flags=("--total-rounds", str(ROUNDS), "--sync-interval-steps", "0"),
-                       sync_interval=2, rl_mode="stream")
+                       sync_interval=2, rl_mode="stream", share_momentum=True)
 
 
 @pytest.mark.timeout(300)
@@ -26,6 +27,7 @@ def test_rounds_commit_in_order_and_merge_both_islands(finished: Finished) -> No
     commits = finished.commits()
     assert [c["round"] for c in commits] == list(range(ROUNDS))
     assert any(sorted(c["learners"]) == [0, 1] for c in commits), commits
+    assert any(sorted(c.get("moments") or []) == [0, 1] for c in commits), "no round averaged both moments"
     assert any(r["event"] == "final" for r in finished.tape())
 
 
