@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -36,17 +37,23 @@ def start_ddp_island(procs: Procs, syncer_address: str, key_file: Path, learner_
     return procs.start(f"island{learner_id}", argv, env=env, output_dir=out_dir)
 
 
-@pytest.mark.timeout(300)
-def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: Procs, key_file: Path) -> None:
+def two_ddp_islands(procs: Procs, key_file: Path, **settings: object) -> tuple[list[Any], dict[str, Any],
+                                                                               list[dict[str, Any]]]:
+    """Two islands of two DDP ranks against a syncer of 16 rounds, run to the end: the islands, the
+    final checkpoint's tensors and the tape's commits."""
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, total_rounds=16)
-    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000, consensus_every=1)
+    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000, **settings)
                for n in range(2)]
     codes = wait_all(islands, 240)  # type: ignore[arg-type]
     assert codes == [0, 0], tails(islands)  # type: ignore[arg-type]
     assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
     assert syncer.checkpoint is not None
-    final = checkpoint_params(syncer.checkpoint)
-    commits = syncer.commits()
+    return islands, checkpoint_params(syncer.checkpoint), syncer.commits()
+
+
+@pytest.mark.timeout(300)
+def test_two_ddp_islands_of_two_ranks_end_with_the_syncers_final_weights(procs: Procs, key_file: Path) -> None:
+    islands, final, commits = two_ddp_islands(procs, key_file, consensus_every=1)
     assert len(commits) == 16 and {tuple(c["learners"]) for c in commits} <= {(0, 1), (1, 0), (0,), (1,)}
     for n, island in enumerate(islands):
         said = [line for line in island.stderr().splitlines() if "final cut installed at step" in line]  # type: ignore[attr-defined]
@@ -107,15 +114,7 @@ def test_an_islands_ranks_share_the_optimizers_moment_together() -> None:
 @pytest.mark.timeout(300)
 def test_two_ddp_islands_share_their_moments_and_end_with_the_syncers_final_weights(procs: Procs,
                                                                                   key_file: Path) -> None:
-    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, total_rounds=16)
-    islands = [start_ddp_island(procs, syncer.address, key_file, n, ranks=2, max_steps=2000, share_momentum=True)
-               for n in range(2)]
-    codes = wait_all(islands, 240)  # type: ignore[arg-type]
-    assert codes == [0, 0], tails(islands)  # type: ignore[arg-type]
-    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
-    assert syncer.checkpoint is not None
-    final = checkpoint_params(syncer.checkpoint)
-    commits = syncer.commits()
+    islands, final, commits = two_ddp_islands(procs, key_file, share_momentum=True)
     assert any(c.get("moments") for c in commits), "no round merged a moment"
     for n, island in enumerate(islands):
         shared = [e["moments_shared"] for e in island.events("train")  # type: ignore[attr-defined]
