@@ -2,6 +2,7 @@
 
     python -m benchmarks.stall [--models main,llama60m] [--pairs 2] [--steps 72] [--out DIR]
     python -m benchmarks.stall --quick             # the main job's model, one pair, 30 steps
+    python -m benchmarks.stall --share-momentum    # the islands' optimizer moments shared (DESIGN §3.9)
 
 For each model, runs of the same Trainer alternate in one process, without yeto and with the
 `YetoDiLoCo` callback (a real `python -m syncer` of one learner on 127.0.0.1, H = 24, P = 4, the
@@ -122,7 +123,8 @@ def one_run(spec: dict[str, int], steps: int, workdir: Path, syncer_env: dict[st
     if yeto is not None:
         assert yeto.island is not None
         stats = yeto.island.stats
-        out.update(in_yeto_s=stats.in_yeto_s, pushes=stats.pushes, final=yeto.final_installed)
+        out.update(in_yeto_s=stats.in_yeto_s, pushes=stats.pushes, final=yeto.final_installed,
+                   moments_shared=0 if stats.learner is None else stats.learner.moments_shared)
     return out
 
 
@@ -155,10 +157,13 @@ def measure(name: str, spec: dict[str, int], args: argparse.Namespace, tmp: Path
                 pin(syncer.proc.pid, set(range(1, os.cpu_count() or 2)))
             try:
                 env = {"YETO_DILOCO_SYNCER": f"127.0.0.1:{syncer.port}", "YETO_DILOCO_KEY_FILE": str(key_file),
-                       "YETO_DILOCO_LEARNER_ID": "0", "YETO_DILOCO_SYNC_INTERVAL": str(H)}
+                       "YETO_DILOCO_LEARNER_ID": "0", "YETO_DILOCO_SYNC_INTERVAL": str(H),
+                       "YETO_DILOCO_SHARE_MOMENTUM": "true" if args.share_momentum else "false"}
                 got = one_run(spec, args.steps, workdir, env)
             finally:
                 syncer.close()
+            if args.share_momentum and not got["moments_shared"]:
+                raise RuntimeError(f"{name}: --share-momentum, but no install took the fleet's moment")
             if not got["final"] or got["pushes"] < FRAGMENTS:
                 raise RuntimeError(f"{name}: the yeto run pushed {got['pushes']} times and installed the final cut: "
                                    f"{got['final']}")
@@ -185,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not pin the Trainer's process to core 0 and the syncer to the other cores")
     ap.add_argument("--out", type=Path, default=None, help="write stall.json here")
     ap.add_argument("--quick", action="store_true", help="the main job's model, one pair of 30-step runs")
+    ap.add_argument("--share-momentum", action="store_true",
+                    help="YETO_DILOCO_SHARE_MOMENTUM: every boundary reads and encodes the model's moment")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.pairs, args.steps = "main", 1, 30
