@@ -28,6 +28,7 @@ import torch
 from yeto_core.codecs import Codec, codec_by_name
 from yeto_core.layout import Fragment, Layout
 from yeto_core.setting_names import SettingsError
+from yeto_core.store import fragment_buffer
 
 FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")  # Adam and its kin; SGD with momentum
 MOMENT_CODEC: Codec = codec_by_name("int4")  # as good as f32 for the moment, measured (README)
@@ -56,7 +57,9 @@ def max_bulk_bytes(layout: Layout) -> int:
 
 
 def _scratch(layout: Layout) -> torch.Tensor:
-    return torch.empty(max((f.numel for f in layout.fragments), default=0), dtype=torch.float32)
+    """An f32 work buffer of the largest fragment's size, recycled from round to round (a fresh one
+    would fault in every page at each boundary and each merge)."""
+    return fragment_buffer(max((f.numel for f in layout.fragments), default=0))
 
 
 def encode_moment(layout: Layout, moment: torch.Tensor) -> memoryview:
