@@ -169,9 +169,28 @@ class ControlLoop:
             if head.ticket is not None:
                 self._part_sent(head.ticket)
             if head.close_reason is not None:
+                self._linger(sock)
                 self._close(head.close_reason)
                 return False
         return True
+
+    def _linger(self, sock: socket.socket) -> None:
+        """After a closing frame (a BYE): end our side, then read and drop what the peer still sends
+        until it closes too, for `LAST_WORDS_S` at most. A socket closed with unread bytes resets the
+        connection, and a reset can make the peer drop the frame just sent before reading it."""
+        deadline = time.monotonic() + LAST_WORDS_S
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+            with selectors.DefaultSelector() as selector:
+                selector.register(sock, selectors.EVENT_READ)
+                while (left := deadline - time.monotonic()) > 0:
+                    if not selector.select(left):
+                        continue
+                    try:
+                        if not sock.recv(READ_BYTES):
+                            return  # the peer closed: everything we sent was read
+                    except BlockingIOError:
+                        continue
 
     def _poll(self, now: float) -> None:
         poll = self._channel.poll(now, [stream.motion() for stream in self._data],
