@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from yeto_core.codecs import Codec, codec_by_name
+from yeto_core.codecs import quant_codec
 from yeto_core.layout import Fragment, Layout
 from yeto_core.setting_names import SettingsError
 from yeto_core.store import fragment_buffer
 
 FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")  # Adam and its kin; SGD with momentum
-MOMENT_CODEC: Codec = codec_by_name("int4")  # as good as f32 for the moment, measured (README)
+MOMENT_CODEC = quant_codec("int4")  # as good as f32 for the moment, measured (README)
 
 
 def moment_spans(layout: Layout) -> list[tuple[Fragment, slice]]:
@@ -91,18 +91,15 @@ def decode_moment(layout: Layout, payload: memoryview) -> torch.Tensor:
 
 
 def moment_problem(layout: Layout, payload: memoryview) -> str | None:
-    """Why a model's moment as received cannot be used (its size, a bad block, a value that is not
-    finite once decoded), or None. It is decoded a fragment at a time and then kept as it came."""
+    """Why a model's moment as received cannot be used (its size, a bad block, a scale that would
+    decode to a value that is not finite), or None. Only the block scales are read: the values are
+    decoded once, where they are used."""
     if len(payload) != moment_nbytes(layout):
         return f"{len(payload)} bytes, expected {moment_nbytes(layout)}"
-    scratch = _scratch(layout)
     for fragment, span in moment_spans(layout):
-        try:
-            values = decode_fragment(payload, fragment, span, scratch)
-        except ValueError as exc:
-            return f"fragment {fragment.index}: {exc}"
-        if values.numel() and not bool(torch.isfinite(values).all()):
-            return f"fragment {fragment.index} holds NaN or Inf"
+        problem = MOMENT_CODEC.problem(payload[span], fragment.numel)
+        if problem is not None:
+            return f"fragment {fragment.index}: {problem}"
     return None
 
 

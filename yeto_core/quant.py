@@ -286,28 +286,14 @@ class QuantCodec:
                 f"got dtype {out.dtype} shape {tuple(out.shape)} contiguous={out.is_contiguous()}"
             )
         numel = out.numel()
-        expected = self.encoded_nbytes(numel)
-        raw = _as_bytes(self.name, buf, None)
-        if raw.nbytes >= 4:
-            (header,) = struct.unpack_from("<I", raw, 0)
-            if header != self.block:
-                raise ValueError(f"{self.name} payload: block size {header} in the payload, {self.block} agreed")
-        if raw.nbytes != expected:
-            raise ValueError(
-                f"{self.name} payload of {raw.nbytes} bytes, expected {expected} for {numel} values "
-                f"in blocks of {self.block} (truncated or padded)"
-            )
-        if not numel:
-            return
-        wire = np.frombuffer(raw, dtype=np.uint8)
-        pieces = list(self._pieces_np(numel, wire))
-        scales = np.empty(sum(rows.shape[0] for _, _, rows in pieces), dtype=np.float32)
-        for first, _, rows in pieces:
-            np.copyto(scales[first : first + rows.shape[0]].view(np.uint8).reshape(-1, 4), rows[:, :4])
+        wire, scales = self._scales(buf, numel)
         bad = ~(np.isfinite(scales) & (scales >= 0))
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"{self.name} payload: block {i} has scale {float(scales[i])!r}, not a finite value ≥ 0")
+        if not numel:
+            return
+        pieces = list(self._pieces_np(numel, wire))
         if self.compiled and out.device.type == "cpu":
             b = self.block
             nfull, tail = divmod(numel, b)
@@ -326,6 +312,42 @@ class QuantCodec:
             b = self.block if first * self.block + self.block <= numel else numel - first * self.block
             target = out[start : start + nb * b].view(nb, b)
             self._decode_blocks(rows, scale_t[first : first + nb].unsqueeze(1), target)
+
+    def _scales(self, buf: memoryview, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """The payload's bytes and its blocks' scales, once its header and size are checked."""
+        expected = self.encoded_nbytes(numel)
+        raw = _as_bytes(self.name, buf, None)
+        if raw.nbytes >= 4:
+            (header,) = struct.unpack_from("<I", raw, 0)
+            if header != self.block:
+                raise ValueError(f"{self.name} payload: block size {header} in the payload, {self.block} agreed")
+        if raw.nbytes != expected:
+            raise ValueError(
+                f"{self.name} payload of {raw.nbytes} bytes, expected {expected} for {numel} values "
+                f"in blocks of {self.block} (truncated or padded)"
+            )
+        wire = np.frombuffer(raw, dtype=np.uint8)
+        pieces = list(self._pieces_np(numel, wire))
+        scales = np.empty(sum(rows.shape[0] for _, _, rows in pieces), dtype=np.float32)
+        for first, _, rows in pieces:
+            np.copyto(scales[first : first + rows.shape[0]].view(np.uint8).reshape(-1, 4), rows[:, :4])
+        return wire, scales
+
+    def problem(self, buf: memoryview, numel: int) -> str | None:
+        """Why `buf` would not decode to `numel` finite values (its header, its size, a block's
+        scale), or None, from the scales alone: every code is a bounded multiple of its block's
+        scale, so the values need not be decoded to be known finite."""
+        try:
+            _, scales = self._scales(buf, numel)
+        except ValueError as exc:
+            return str(exc)
+        reach = float(np.abs(self._table).max()) if self.name != "int8" else float(self._qmax)
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = ~(np.isfinite(scales * np.float32(reach)) & (scales >= 0))
+        if bad.any():
+            i = int(np.argmax(bad))
+            return f"{self.name} payload: block {i} has scale {float(scales[i])!r}: a value would not be finite"
+        return None
 
     def _pieces_np(self, numel: int, wire: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
         """(first block index, first value index, wire rows [nb, 4 + code bytes]) chunk by chunk."""

@@ -3,6 +3,7 @@ averaged by the merge, carried back after a broadcast's values and folded into t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -225,12 +226,29 @@ def test_a_moment_that_is_short_has_a_bad_scale_or_decodes_to_inf_is_a_problem()
     wire = bytearray(encode_moment(layout, torch.ones(layout.total_numel)))
     assert "expected" in (moment_problem(layout, memoryview(wire)[:-1]) or "")
     second = moment_spans(layout)[1][1].start
-    for scale, why in ((float("nan"), "scale"), (3e38, "NaN or Inf")):  # 3e38 · 7 overflows to Inf
+    for scale, why in ((float("nan"), "scale"), (3e38, "would not be finite"), (-1.0, "scale")):  # 3e38 · 8 overflows
         bad = bytearray(wire)
         bad[second + 4 : second + 8] = torch.tensor([scale]).numpy().tobytes()
         problem = moment_problem(layout, memoryview(bad))
         assert problem is not None and why in problem and "fragment" in problem
+        with pytest.raises(ValueError) if why == "scale" else contextlib.nullcontext():
+            values = decode_moment(layout, memoryview(bad))  # the decode agrees with the check
+            assert not bool(torch.isfinite(values).all())
 
+
+def test_the_scale_check_passes_every_honest_payload_and_nothing_that_decodes_to_inf() -> None:
+    rng = torch.Generator().manual_seed(5)
+    n, stride = 1000, 4 + MOMENT_CODEC.block // 2
+    for trial in range(40):
+        wire = bytearray(MOMENT_CODEC.encoded_nbytes(n))
+        MOMENT_CODEC.encode(torch.randn(n, generator=rng) * 10.0 ** (trial % 7 * 5), memoryview(wire))
+        assert MOMENT_CODEC.problem(memoryview(wire), n) is None
+        at = 4 + trial % 8 * stride  # one block's scale made huge: Inf once decoded, unless its codes are 0
+        wire[at : at + 4] = torch.tensor([3.4e38 / (1 + trial % 5)]).numpy().tobytes()
+        out = torch.empty(n)
+        MOMENT_CODEC.decode(memoryview(wire), out)
+        if not bool(torch.isfinite(out).all()):
+            assert MOMENT_CODEC.problem(memoryview(wire), n) is not None
 
 def test_the_merged_moment_is_weighted_like_the_merge_over_those_that_sent_one() -> None:
     layout = three_fragments()
