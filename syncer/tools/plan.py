@@ -2,9 +2,10 @@
 
 Dataclasses in, dataclasses out, no I/O: `predict` says what one choice of sync interval H,
 push codec, downlink, fragment count P and pipeline depth costs on given islands and a given
-syncer host; `recommend` searches those choices; `syncer_memory` counts what the syncer keeps.
-`syncer/tools/plan_cli.py` reads models and links, and prints. Every number follows the code it
-names; docs/planner.md states the formulas and the validation against measured runs.
+syncer host; `recommend` searches those choices. What a message weighs is `plan_wire.py`, what
+each side holds `plan_memory.py`; `syncer/tools/plan_cli.py` reads models and links, and prints.
+Every number follows the code it names; docs/planner.md states the formulas and the validation
+against measured runs.
 
 Time model of one round (DESIGN §3.2, §4.5). Round r merges fragment r mod P. Island i answers
 one PULL per boundary, a boundary every max(1, H // P) steps (`LearnerSession.boundary_every`),
@@ -28,32 +29,30 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from syncer.tools.plan_memory import (
+    RUNTIME_BYTES,
+    IslandMemory,
+    Memory,
+    island_memory,
+    syncer_memory,
+)
+from syncer.tools.plan_wire import (
+    ALL_PUSH_CODECS,
+    DEFAULT_BLOCK,
+    DOWNLINKS,
+    ETHERNET_FRAME,
+    MSS,
+    PUSH_CODECS,
+    PlanError,
+    bcast_wire_bytes,
+    moment_bytes,
+    on_the_wire,
+    push_wire_bytes,
+)
+
 GIB = 1 << 30
 
-# yeto_core/quant.py: DEFAULT_BLOCK values per f32 scale, a u32 block-size header per payload.
-DEFAULT_BLOCK = 128
-# Push codecs from the most precise to the least (yeto_core/quant.py ERROR_BOUNDS); e3m0 and
-# int4-log cost int4's bytes with larger errors, so the planner never prefers them.
-PUSH_CODECS = ("f32", "bf16", "int8", "int4")
-ALL_PUSH_CODECS = (*PUSH_CODECS, "e3m0", "int4-log")
-# The syncer's broadcasts (syncer/core/outbox.py): the exact f32 fragment, or bf16(Θ − anchor) with a
-# FULL f32 refresh every `--bcast-delta-full-every` versions (yeto_core/downlink.py).
-DOWNLINKS = ("f32", "bf16-delta")
-BCAST_FULL_EVERY = 8
-
-# PROTOCOL §2–§3: a 12-byte frame header; PULL, PUSH and BCAST bodies; payloads cut into
-# 4 MiB CHUNK frames of 36 bytes of headers each (yeto_core/wire/messages.py).
-FRAME_HEADER = 12
-PULL_BODY, PUSH_BODY, BCAST_BODY = 20, 53, 69
-CHUNK_BYTES = 4 << 20
-CHUNK_OVERHEAD = FRAME_HEADER + 24
-
-# TCP over Ethernet at MTU 1500 with timestamps: 1448 payload bytes in a 1514-byte frame, and
-# Linux acknowledges every second segment with a 66-byte frame (delayed ACK).
-MSS, ETHERNET_FRAME, ACK_FRAME = 1448, 1514, 66
-
 THROTTLE_POLL_S = 0.02  # syncer/core/protocol.py wakeup(): a throttled launch is looked at every 20 ms
-RUNTIME_BYTES = 300 << 20  # the syncer's interpreter, torch and sockets (260 MiB RSS in README's soak run)
 
 # Bounds a machine can honour. Every count an input gives is checked against them before anything is
 # sized by it, so an absurd one is a PlanError naming the input, not an allocation that never ends;
@@ -67,9 +66,6 @@ MAX_BLOCK = 1 << 20  # yeto_core/quant.py MAX_BLOCK
 # yeto_core/layout.py _LAYER_RE, for the `strided` pattern.
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
 
-
-class PlanError(ValueError):
-    """An input or a plan that cannot work; the message names the input and the reason."""
 
 
 @dataclass(frozen=True)
@@ -136,25 +132,6 @@ class Choice:
     downlink: str
     fragments: int  # P
     pipeline: int
-
-
-@dataclass(frozen=True)
-class Memory:
-    params: float
-    momentum: float
-    accumulator: float
-    downlink_anchors: float
-    answers_in_flight: float
-    merge_workspace: float
-    broadcast_copy: float
-    receive_buffers: float
-    checkpoint_copies: float
-    runtime: float
-    shared_moments: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f) for f in self.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -238,127 +215,6 @@ def fragment_params(model: Model, fragments: int, pattern: str = "binpack") -> t
     if min(out) == 0:
         raise PlanError(f"--fragments {fragments}: a fragment of {model.name} would be empty; ask for fewer")
     return tuple(out)
-
-
-def payload_bytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
-    """Encoded bytes of `numel` f32 values (yeto_core/codecs.py, yeto_core/quant.py encoded_nbytes)."""
-    if codec == "f32":
-        return 4 * numel
-    if codec == "bf16":
-        return 2 * numel
-    if codec not in ALL_PUSH_CODECS:
-        raise PlanError(f"--codec {codec!r}: not a push codec; accepted: {', '.join(ALL_PUSH_CODECS)}")
-    full, last = divmod(numel, block)
-
-    def codes(n: int) -> int:
-        return n if codec == "int8" else (n + 1) // 2
-
-    return 4 + full * (4 + codes(block)) + (4 + codes(last) if last else 0)
-
-
-def bulk_frames(payload: int, body: int) -> int:
-    """A bulk message on the wire: its announcement frame, the payload, a CHUNK header per 4 MiB."""
-    return FRAME_HEADER + body + payload + math.ceil(payload / CHUNK_BYTES) * CHUNK_OVERHEAD
-
-
-def push_wire_bytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
-    return bulk_frames(payload_bytes(codec, numel, block), PUSH_BODY)
-
-
-def moment_bytes(sizes: Sequence[int]) -> int:
-    """A model's first moment on the wire (yeto_core/moments.py moment_nbytes): one int4 payload at
-    the default block per fragment, carried by every push and broadcast when moments are shared."""
-    return sum(payload_bytes("int4", n, DEFAULT_BLOCK) for n in sizes)
-
-
-def bcast_wire_bytes(downlink: str, numel: int, full_every: int = BCAST_FULL_EVERY) -> float:
-    """One broadcast of a fragment to one learner, with the PULL of the next round (small, same
-    direction). bf16 deltas: the mean over versions of full_every − 1 deltas and one FULL."""
-    pull = FRAME_HEADER + PULL_BODY
-    full = bulk_frames(4 * numel, BCAST_BODY)
-    if downlink == "f32":
-        return full + pull
-    if downlink != "bf16-delta":
-        raise PlanError(f"--downlink {downlink!r}: accepted: {', '.join(DOWNLINKS)}")
-    delta = bulk_frames(2 * numel, BCAST_BODY)
-    return ((full_every - 1) * delta + full) / full_every + pull
-
-
-# ---- the syncer's memory ----------------------------------------------------------------------------
-
-STEP_TEMP_ELEMENTS = 1 << 20  # syncer/merge/outer.py STEP_CHUNK: the outer step's temporary, a chunk at a time
-
-
-def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: float | None = None) -> Memory:
-    """Host bytes the syncer holds on a CPU merge device (`--device cpu`; cuda moves params,
-    momentum and the workspace to the GPU). Counted from syncer/durability/checkpoint.py SyncerState,
-    round_merge.py MergeWorkspace, intake.py (a decoded f32 delta per answer; an f32 push is a view
-    of its receive buffer, a quantized one keeps its payload until decoded), leases.py (a commit
-    copies a fragment a send still reads), snapshots.py and yeto_core/downlink.py."""
-    n_total, n_max = sum(sizes), max(sizes)
-    host = setup.host
-    m = len(setup.islands)
-    pushing = m if answers is None else min(m, math.ceil(answers))
-    depth = min(choice.pipeline, choice.fragments)
-    encoded = 0 if choice.codec == "f32" else payload_bytes(choice.codec, n_max, setup.block)
-    return Memory(
-        params=4.0 * n_total,
-        momentum=4.0 * n_total,
-        accumulator=4.0 * n_total if host.delayed_nesterov else 0.0,
-        downlink_anchors=4.0 * n_total if choice.downlink == "bf16-delta" else 0.0,
-        answers_in_flight=4.0 * depth * pushing * n_max,
-        # The merged delta and a chunk of the step's temporary; the merge reads the pushes where they
-        # were received, unless HeLoCo corrects them (in a stacked copy).
-        merge_workspace=(4.0 * n_max + 4.0 * min(n_max, STEP_TEMP_ELEMENTS)
-                         + (4.0 * pushing * n_max if host.heloco else 0.0)),
-        broadcast_copy=4.0 * n_max,
-        # A quantized round's payloads until decoded. The pool's idle buffers are not counted again:
-        # each is a payload (or, f32, an answer in flight) between two uses, never both at once;
-        # benchmarks/scale.py measured this sum within 10% at 256 MiB and 1 GiB, M = 2 and 4.
-        receive_buffers=float(pushing * encoded),
-        checkpoint_copies=8.0 * n_total if host.background_checkpoint else 0.0,
-        runtime=float(RUNTIME_BYTES),
-        # Each answer's moment in its receive buffer, the averages of the last two merges kept for
-        # the broadcasts (syncer/service/moments.py), and a merge's two fragment scratches.
-        shared_moments=(moment_bytes(sizes) * (depth * pushing + 2) + 8.0 * n_max) if setup.share_momentum else 0.0,
-    )
-
-
-# ---- an island's memory ----------------------------------------------------------------------------
-
-
-STEADY_WORK_BUFFERS = 2  # yeto_core/store.py STEADY_FRAGMENT_BUFFERS: idle fragment buffers a learner keeps
-
-
-@dataclass(frozen=True)
-class IslandMemory:
-    """Host bytes an island's rank 0 holds for yeto beyond its own weights (DESIGN §10.2)."""
-
-    anchors: float
-    work_buffers: float
-    push_payload: float
-    broadcast_receive: float
-    shared_moments: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return sum(getattr(self, f) for f in self.__dataclass_fields__)
-
-
-def island_memory(choice: Choice, sizes: Sequence[int], block: int = DEFAULT_BLOCK, *,
-                  share_momentum: bool = False) -> IslandMemory:
-    """Counted from yeto_core/fragment_sync.py (an f32 anchor per fragment, θ at its last install),
-    yeto_core/store.py (fragment work buffers: the ones the pool keeps idle and a push's delta) and
-    yeto_core/client.py (a push's encoded payload; a broadcast's receive buffer); with shared
-    moments yeto_core/moments.py (the moment of each push in flight, a broadcast's, two fragment
-    scratches)."""
-    n_total, n_max = sum(sizes), max(sizes)
-    down = 4 * n_max if choice.downlink == "f32" else 2 * n_max
-    depth = min(choice.pipeline, choice.fragments)
-    moments = moment_bytes(sizes) * (depth + 1) + 8.0 * n_max if share_momentum else 0.0
-    return IslandMemory(anchors=4.0 * n_total, work_buffers=4.0 * (STEADY_WORK_BUFFERS + 1) * n_max,
-                        push_payload=float(payload_bytes(choice.codec, n_max, block)), broadcast_receive=float(down),
-                        shared_moments=moments)
 
 
 # ---- one choice ---------------------------------------------------------------------------------------
@@ -462,11 +318,6 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
                       down_wire_bytes_per_round=on_the_wire(m * bcast, answers * push, setup.tcp_efficiency),
                       memory=memory,
                       island_memory=island_memory(choice, sizes, setup.block, share_momentum=setup.share_momentum))
-
-
-def on_the_wire(forward: float, reverse: float, efficiency: float) -> float:
-    """Line bytes of one direction: its TCP payload in full frames, and the ACKs of the other's."""
-    return forward / efficiency + reverse / (2 * MSS) * ACK_FRAME
 
 
 def _island_bound(upload: float, download: float) -> str:

@@ -15,7 +15,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from syncer.tools.plan import (
     GIB,
-    RUNTIME_BYTES,
     Choice,
     Island,
     Model,
@@ -29,13 +28,14 @@ from syncer.tools.plan import (
     island_memory,
     moment_bytes,
     on_the_wire,
-    payload_bytes,
     predict,
     push_wire_bytes,
     recommend,
 )
 from syncer.tools.plan_cli import main
+from syncer.tools.plan_memory import RUNTIME_BYTES
 from syncer.tools.plan_model import PRESETS, decoder_tensors, lora_tensors
+from syncer.tools.plan_wire import payload_bytes
 from yeto_core.codecs import codec_by_name
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import CHUNK_HEADER, HEADER, Bcast, Pull, Push, encode_frame

@@ -16,7 +16,7 @@ from syncer.merge.merge import (
 )
 from syncer.merge.outer import STEP_CHUNK, Nesterov, make_outer_optimizer, nesterov_step
 from syncer.merge.round_merge import MergeWorkspace, merge_round, screen_step
-from syncer.tools.plan import STEP_TEMP_ELEMENTS
+from syncer.tools.plan_memory import STEP_TEMP_ELEMENTS
 from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import Init, Push
