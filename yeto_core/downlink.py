@@ -159,18 +159,21 @@ class BroadcastReader:
 
     def moment_of(self, msg: Bcast | Final,
                   payload: memoryview | None) -> tuple[memoryview | None, memoryview | None]:
-        """A BCAST_MOMENT payload split into its values' bytes and the merged first moment of the
-        model (its last `moment_nbytes`, checked and kept in its wire form, DESIGN §3.9); any other
+        """A BCAST_MOMENT payload split into its values' bytes and the fragment's merged first moment
+        (its last `moment_nbytes`, checked and kept in its wire form, DESIGN §3.9); any other
         payload as it is, with no moment."""
         if not isinstance(msg, Bcast) or not msg.flags & BCAST_MOMENT:
             return payload, None
-        nbytes = moment_nbytes(self.layout)
+        if msg.fragment >= self.layout.num_fragments:
+            raise ProtocolError(f"syncer sent BCAST for fragment {msg.fragment} of {self.layout.num_fragments}")
+        fragment = self.layout.fragments[msg.fragment]
+        nbytes = moment_nbytes(fragment)
         if payload is None or len(payload) < nbytes:
             raise ProtocolError(f"syncer sent BCAST of {0 if payload is None else len(payload)} bytes for fragment "
                                 f"{msg.fragment} with a first moment of {nbytes} bytes")
         cut = len(payload) - nbytes
         moment = payload[cut:]
-        problem = moment_problem(self.layout, moment)
+        problem = moment_problem(fragment, moment)
         if problem is not None:
             raise ProtocolError(f"syncer sent BCAST for fragment {msg.fragment} with a bad first moment: {problem}")
         return payload[:cut], moment

@@ -166,7 +166,7 @@ class FragmentSync:
             if not self._finite(pull, delta):
                 continue
             job = PushJob(pull, state.version, self.stats.tokens - state.tokens_mark, steps, step_s, delta,
-                          self._moment_to_push())
+                          self._moment_to_push(pull.fragment))
             state.sent = job
             self.queued.append(job)
             state.sent_link = self.links
@@ -234,7 +234,7 @@ class FragmentSync:
                 self.stats.installs += 1
             if sent is not None and state.version > sent.base_version:
                 if moment is not None and sent.moment is not None and state.sent_marks is not None:
-                    self._share_moment(moment, sent.moment, self.stats.steps - state.sent_marks[1])
+                    self._share_moment(index, moment, sent.moment, self.stats.steps - state.sent_marks[1])
                 if state.sent_marks is not None:  # how far training ran ahead of this round
                     self.stats.round_trips += 1
                     self.stats.round_trip_steps += self.stats.steps - state.sent_marks[1]
@@ -281,22 +281,22 @@ class FragmentSync:
         self.stats.rebases += int(merged)
         return merged
 
-    def _moment_to_push(self) -> memoryview | None:
-        """Every synced tensor's first moment in its wire form (DESIGN §3.9), or None: kept with the
-        push as the syncer will decode it, so an install replaces exactly what the fleet's average
-        was made of, and the sender streams the bytes as they are."""
+    def _moment_to_push(self, index: int) -> memoryview | None:
+        """The fragment's first moment in its wire form (DESIGN §3.9), or None: kept with the push
+        as the syncer will decode it, so an install replaces exactly what the fleet's average was
+        made of, and the sender streams the bytes as they are."""
         if self.moments is None:
             return None
         assert self.layout is not None
-        return self.moments.encode_all(self.layout)
+        return self.moments.encode(self.layout.fragments[index])
 
-    def _share_moment(self, merged: memoryview, pushed: memoryview, steps: int) -> None:
-        """Take the fleet's first moment in place of the one this island pushed, keeping the
-        `steps` trained since (DESIGN §3.9)."""
+    def _share_moment(self, index: int, merged: memoryview, pushed: memoryview, steps: int) -> None:
+        """Take the fleet's first moment of the fragment in place of the one this island pushed,
+        keeping the `steps` trained since (DESIGN §3.9)."""
         assert self.layout is not None
         if self.moments is None or len(merged) != len(pushed):
             return
-        self.moments.rebase_all(self.layout, merged, pushed, steps)
+        self.moments.rebase_wire(self.layout.fragments[index], merged, pushed, steps)
         self.stats.moments_shared += 1
 
     def _as_merged(self, delta: torch.Tensor) -> torch.Tensor:

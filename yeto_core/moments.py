@@ -4,12 +4,15 @@ Between rounds each island's optimizer keeps a first moment (Adam's `exp_avg`, S
 `momentum_buffer`) built from its own shard's gradients only. When a merged fragment is
 installed, the island's parameters move to the fleet's, but that moment still points along the
 island's own trajectory, and the next steps drift apart again from there. Sharing it removes
-that: each push carries the moment of every synced tensor (every round, not only its own
-fragment's: how often counts, README), the syncer averages them with the merge's weights, and
-the broadcast brings the average back. The moment is advice, not state, so it travels in a
-4-bit block code (`MOMENT_CODEC`) both ways, one payload per fragment (`moment_spans`): each
-side keeps it in that form and decodes a fragment at a time, so sharing costs an eighth of the
-model's f32 bytes per push held, not the model's size again.
+that: each push carries its fragment's moment, the syncer averages them with the merge's
+weights, and the broadcast brings the average back, to be taken into that fragment's tensors as
+their parameters take the fleet's. A push carries its own fragment's moment only: taking the
+fleet's moment into the tensors whose parameters are not being installed gains at a round trip
+of one step and costs at three, where the fragment's own is the best of the three rules measured
+(README), and it keeps the cost a fragment's: 4.25 bits per value of the fragment each way, a
+merge's worth of work on the syncer, a fragment's read and encode on the training thread. The
+moment is advice, not state, so it travels in a 4-bit block code (`MOMENT_CODEC`) both ways,
+and each side keeps it in that form until it is used.
 
 The moment is an exponential average, m ← β·m + (1 − β)·g per step, so the average of the
 moments at the push, m̄, replaces the island's own m_push by adding β^k·(m̄ − m_push) to the
@@ -34,87 +37,54 @@ FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")  # Adam and its kin; SGD with
 MOMENT_CODEC = quant_codec("int4")  # as good as f32 for the moment, measured (README)
 
 
-def moment_spans(layout: Layout) -> list[tuple[Fragment, slice]]:
-    """Each fragment and the bytes of its part in a model's moment on the wire: one `MOMENT_CODEC`
-    payload per fragment, back to back in fragment order, so every side can work a fragment at a
-    time and hold no more than a fragment's values in f32."""
-    spans, start = [], 0
-    for fragment in layout.fragments:
-        end = start + MOMENT_CODEC.encoded_nbytes(fragment.numel)
-        spans.append((fragment, slice(start, end)))
-        start = end
-    return spans
-
-
-def moment_nbytes(layout: Layout) -> int:
-    """The wire bytes of the whole model's first moment (every fragment, in fragment order)."""
-    return sum(MOMENT_CODEC.encoded_nbytes(f.numel) for f in layout.fragments)
+def moment_nbytes(fragment: Fragment) -> int:
+    """The wire bytes of a fragment's first moment: one `MOMENT_CODEC` payload."""
+    return MOMENT_CODEC.encoded_nbytes(fragment.numel)
 
 
 def max_bulk_bytes(layout: Layout) -> int:
-    """The largest bulk payload either side may send: a fragment's f32 values and the model's moment."""
-    return max(f.numel for f in layout.fragments) * 4 + moment_nbytes(layout)
+    """The largest bulk payload either side may send: a fragment's f32 values and its moment."""
+    return max((f.numel * 4 + moment_nbytes(f) for f in layout.fragments), default=0)
 
 
-def _scratch(layout: Layout) -> torch.Tensor:
-    """An f32 work buffer of the largest fragment's size, recycled from round to round (a fresh one
-    would fault in every page at each boundary and each merge)."""
-    return fragment_buffer(max((f.numel for f in layout.fragments), default=0))
+def _scratch(fragment: Fragment) -> torch.Tensor:
+    """An f32 work buffer of the fragment's size, recycled from round to round (a fresh one would
+    fault in every page at each boundary and each merge)."""
+    return fragment_buffer(fragment.numel)
 
 
-def encode_moment(layout: Layout, moment: torch.Tensor) -> memoryview:
-    """A model-wide f32 moment (fragment order) in its wire form."""
-    out = memoryview(bytearray(moment_nbytes(layout)))
-    start = 0
-    for fragment, span in moment_spans(layout):
-        MOMENT_CODEC.encode(moment[start : start + fragment.numel], out[span])
-        start += fragment.numel
+def encode_moment(moment: torch.Tensor) -> memoryview:
+    """A fragment's flat f32 moment in its wire form."""
+    out = memoryview(bytearray(MOMENT_CODEC.encoded_nbytes(moment.numel())))
+    MOMENT_CODEC.encode(moment, out)
     return out
 
 
-def decode_fragment(payload: memoryview, fragment: Fragment, span: slice, out: torch.Tensor) -> torch.Tensor:
-    """One fragment's part of a model's moment, decoded into `out` (at least the fragment's size)."""
-    values = out[: fragment.numel]
-    MOMENT_CODEC.decode(payload[span], values)
+def decode_moment(fragment: Fragment, payload: memoryview, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A fragment's moment in f32 (into `out`, at least the fragment's size); ValueError for a bad
+    block."""
+    values = (torch.empty(fragment.numel, dtype=torch.float32) if out is None else out)[: fragment.numel]
+    MOMENT_CODEC.decode(payload, values)
     return values
 
 
-def decode_moment(layout: Layout, payload: memoryview) -> torch.Tensor:
-    """The whole model's moment in f32 (for tests and tools: the sessions work a fragment at a
-    time); ValueError for a bad block."""
-    out = torch.empty(layout.total_numel, dtype=torch.float32)
-    start = 0
-    for fragment, span in moment_spans(layout):
-        decode_fragment(payload, fragment, span, out[start : start + fragment.numel])
-        start += fragment.numel
-    return out
+def moment_problem(fragment: Fragment, payload: memoryview) -> str | None:
+    """Why a fragment's moment as received cannot be used (its size, a bad block, a scale that
+    would decode to a value that is not finite), or None. Only the block scales are read: the
+    values are decoded once, where they are used."""
+    if len(payload) != moment_nbytes(fragment):
+        return f"{len(payload)} bytes, expected {moment_nbytes(fragment)} for fragment {fragment.index}"
+    return MOMENT_CODEC.problem(payload, fragment.numel)
 
 
-def moment_problem(layout: Layout, payload: memoryview) -> str | None:
-    """Why a model's moment as received cannot be used (its size, a bad block, a scale that would
-    decode to a value that is not finite), or None. Only the block scales are read: the values are
-    decoded once, where they are used."""
-    if len(payload) != moment_nbytes(layout):
-        return f"{len(payload)} bytes, expected {moment_nbytes(layout)}"
-    for fragment, span in moment_spans(layout):
-        problem = MOMENT_CODEC.problem(payload[span], fragment.numel)
-        if problem is not None:
-            return f"fragment {fragment.index}: {problem}"
-    return None
-
-
-def average_moments(layout: Layout, sent: Sequence[tuple[memoryview, float]]) -> memoryview:
-    """The weighted average of the moments `sent` (wire form, weight), in their order, in wire form:
-    a fragment at a time, so the merge holds two fragments' values in f32 beside the wire bytes."""
+def average_moments(fragment: Fragment, sent: Sequence[tuple[memoryview, float]]) -> memoryview:
+    """The weighted average of a fragment's moments `sent` (wire form, weight), in their order, in
+    wire form; the merge holds two of the fragment's f32 buffers beside the wire bytes."""
     total = sum(w for _, w in sent)
-    out = memoryview(bytearray(moment_nbytes(layout)))
-    acc, part = _scratch(layout), _scratch(layout)
-    for fragment, span in moment_spans(layout):
-        mean = acc[: fragment.numel].zero_()
-        for payload, weight in sent:
-            mean.add_(decode_fragment(payload, fragment, span, part), alpha=weight / total)
-        MOMENT_CODEC.encode(mean, out[span])
-    return out
+    mean, part = _scratch(fragment).zero_(), _scratch(fragment)
+    for payload, weight in sent:
+        mean.add_(decode_moment(fragment, payload, part), alpha=weight / total)
+    return encode_moment(mean)
 
 
 class MomentError(SettingsError):
@@ -181,24 +151,16 @@ class OptimizerMoments:
             out[slot.offset : slot.offset + slot.numel].copy_(moment.detach().reshape(-1))
         return out if bool(torch.isfinite(out).all()) else None
 
-    def encode_all(self, layout: Layout) -> memoryview | None:
-        """Every fragment's moment in its wire form (`moment_spans`), gathered and encoded a
-        fragment at a time; None as `gather`."""
-        out = memoryview(bytearray(moment_nbytes(layout)))
-        scratch = _scratch(layout)
-        for fragment, span in moment_spans(layout):
-            values = self.gather(fragment, scratch[: fragment.numel])
-            if values is None:
-                return None
-            MOMENT_CODEC.encode(values, out[span])
-        return out
+    def encode(self, fragment: Fragment) -> memoryview | None:
+        """The fragment's moment in its wire form; None as `gather`."""
+        values = self.gather(fragment, _scratch(fragment))
+        return None if values is None else encode_moment(values)
 
-    def rebase_all(self, layout: Layout, merged: memoryview, pushed: memoryview, steps: int) -> None:
-        """`rebase` every fragment from model-wide moments in their wire form, a fragment at a time."""
-        fleet, own = _scratch(layout), _scratch(layout)
-        for fragment, span in moment_spans(layout):
-            mean = decode_fragment(merged, fragment, span, fleet)
-            self.rebase(fragment, mean, decode_fragment(pushed, fragment, span, own), steps, out=mean)
+    def rebase_wire(self, fragment: Fragment, merged: memoryview, pushed: memoryview, steps: int) -> None:
+        """`rebase` from the fragment's moments in their wire form."""
+        fleet = decode_moment(fragment, merged, _scratch(fragment))
+        own = decode_moment(fragment, pushed, _scratch(fragment))
+        self.rebase(fragment, fleet, own, steps, out=fleet)
 
     def rebase(self, fragment: Fragment, merged: torch.Tensor, pushed: torch.Tensor, steps: int, *,
                out: torch.Tensor | None = None) -> None:

@@ -189,10 +189,11 @@ class LearnerSettings(FlatSettings):
                                    "contract, an id held by another process) train on alone instead of stopping")
     final_flush: bool = Field(default=False, description="when training ends, push every fragment's last steps "
                               "and wait for their merge before asking for the final cut")
-    share_momentum: bool = Field(default=False, description="send the optimizer's first moment of every tensor "
-                                 "(Adam's exp_avg, SGD's momentum; 4-bit blocks) with each push and take the fleet's "
-                                 "average with each broadcast, so the islands' next steps start from one direction; "
-                                 "about 4.3 bits per parameter more each way per round")
+    share_momentum: bool = Field(default=False, description="send the optimizer's first moment of the pushed "
+                                 "fragment's tensors (Adam's exp_avg, SGD's momentum; 4-bit blocks) with each push "
+                                 "and take the fleet's average into them with the broadcast, so the islands' next "
+                                 "steps start from one direction; about 4.25 bits per value of the fragment more "
+                                 "each way per round")
     lockstep: bool = Field(default=False, description="pin the schedule to learner steps for reproducible "
                            "experiments: round k is answered at boundary k and its merge installed at the next "
                            "step, waiting for both; every island then waits for the slowest")

@@ -26,7 +26,7 @@ def payload_problem(layout: Layout, msg: Push, payload: memoryview | None, codec
         return f"push codec id {msg.codec} differs from the session contract ({codec.name}, id {codec.wire_id})"
     expected = codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
     if msg.codec & PUSH_MOMENT:
-        expected += moment_nbytes(layout)
+        expected += moment_nbytes(layout.fragments[msg.fragment])
     if payload is None or len(payload) != expected:
         return f"push of {0 if payload is None else len(payload)} bytes, expected {expected} ({codec.name})"
     return None
@@ -58,7 +58,7 @@ def payload_screen(msg: Message) -> Callable[[memoryview], bool] | None:
 
 def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
                 screened: bool | None = None) -> tuple[torch.Tensor, memoryview | None] | str:
-    """The push's f32 delta and, with `PUSH_MOMENT`, the model's first moment that follows it,
+    """The push's f32 delta and, with `PUSH_MOMENT`, the fragment's first moment that follows it,
     checked and kept in its wire form (DESIGN §3.9); or why they cannot be used (a bad block header
     or scale, NaN, Inf in either)."""
     if not msg.codec & PUSH_MOMENT:
@@ -69,7 +69,7 @@ def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
     if isinstance(delta, str):
         return delta
     moment = payload[cut:]
-    problem = moment_problem(layout, moment)
+    problem = moment_problem(layout.fragments[msg.fragment], moment)
     if problem is not None:
         return f"push for fragment {msg.fragment}: first moment: {problem}"
     return delta, moment

@@ -466,5 +466,6 @@ class Coordinator:
         if outcome.answers:  # the commit makes the fragment's next version, and its broadcasts carry this
             layout = self.protocol.layout
             assert layout is not None
-            self.moments.merged(f, lent.outer_steps + 1, merged_moment(layout, outcome.answers, outcome.weights))
+            moment = merged_moment(layout.fragments[f], outcome.answers, outcome.weights)
+            self.moments.merged(f, lent.outer_steps + 1, moment)
         return Merged(effect.round, outcome, back)

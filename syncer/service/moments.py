@@ -1,5 +1,6 @@
 """The shared first moment's relay (DESIGN §3.9): pushes bring each learner's optimizer first
-moment, the merge averages them, and the commit's broadcasts carry the average back.
+moment of their fragment, the merge averages them, and the commit's broadcasts carry the average
+back.
 
 The moments are advice to the learners' optimizers, not state of the run: they are not
 checkpointed, never touch the parameters, and a broadcast without one (a restart, a join, a
@@ -13,7 +14,7 @@ import collections
 import dataclasses
 
 from syncer.core.rounds import Answer
-from yeto_core.layout import Layout
+from yeto_core.layout import Fragment
 from yeto_core.moments import average_moments
 from yeto_core.net.tickets import Concatenated, Payload
 from yeto_core.wire.messages import BCAST_MOMENT, PUSH_MOMENT, Bcast, Push
@@ -21,12 +22,12 @@ from yeto_core.wire.messages import BCAST_MOMENT, PUSH_MOMENT, Bcast, Push
 HELD_MERGES = 2  # the rounds a syncer may have in flight (its pipeline): their broadcasts follow their merge
 
 
-def merged_moment(layout: Layout, merged: list[Answer], weights: list[float]) -> memoryview | None:
-    """The first moments the merged learners sent with their pushes, averaged with the merge's own
-    weights over those that sent one, in learner-id order, in wire form; None when none did. A
-    pure function of the merge, decoded and encoded a fragment at a time."""
+def merged_moment(fragment: Fragment, merged: list[Answer], weights: list[float]) -> memoryview | None:
+    """The fragment's first moments the merged learners sent with their pushes, averaged with the
+    merge's own weights over those that sent one, in learner-id order, in wire form; None when
+    none did. A pure function of the merge."""
     sent = [(a.moment, w) for a, w in zip(merged, weights, strict=True) if a.moment is not None]
-    return average_moments(layout, sent) if sent else None
+    return average_moments(fragment, sent) if sent else None
 
 
 class MomentRelay:

@@ -122,7 +122,7 @@ class Setup:
     grace_gamma: float = 1.0
     grace_tau: float = 2.0
     tcp_efficiency: float = MSS / ETHERNET_FRAME  # TCP payload per line byte at MTU 1500
-    share_momentum: bool = False  # YETO_DILOCO_SHARE_MOMENTUM: every push and broadcast carries the model's moment
+    share_momentum: bool = False  # YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry their fragment's moment
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
     n_mean = sum(sizes) / p
     push = sum(push_wire_bytes(choice.codec, n, setup.block) for n in sizes) / p
     bcast = sum(bcast_wire_bytes(choice.downlink, n) for n in sizes) / p
-    moment = moment_bytes(sizes) if setup.share_momentum else 0
+    moment = sum(moment_bytes(n) for n in sizes) / p if setup.share_momentum else 0.0
     push, bcast = push + moment, bcast + moment  # the same bulk message, a longer payload
     islands, k, m = setup.islands, setup.quorum, len(setup.islands)
     depth = min(choice.pipeline, p)  # syncer/core/rounds.py pipeline_depth
@@ -281,8 +281,8 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
         pushes = [min(1.0, round_s / c) for c in cycle]
         answers = sum(pushes)
         serial = merge_seconds(n_mean, answers, host.merge_bps) + host.commit_s + checkpoint
-        if setup.share_momentum:  # the moments' average: each answer's decoded and the mean encoded, all N
-            serial += 4.0 * sum(sizes) * (answers + 1) / host.merge_bps
+        if setup.share_momentum:  # the moments' average: each answer's decoded and the mean encoded
+            serial += 4.0 * n_mean * (answers + 1) / host.merge_bps
         syncer_in = answers * push / host.link_in_bps if host.link_in_bps else 0.0
         syncer_out = m * bcast / host.link_out_bps if host.link_out_bps else 0.0
         # pushes of one round arrive together, so they share the syncer's link

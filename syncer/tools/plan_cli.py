@@ -336,7 +336,7 @@ def parser() -> argparse.ArgumentParser:
     choice.add_argument("--pattern", choices=("binpack", "strided"), default="binpack", help="fragment layout")
     choice.add_argument("--push-block", type=int, default=128, help="values per scale of the quantized codecs")
     choice.add_argument("--share-momentum", action="store_true",
-                        help="YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry the model's moment")
+                        help="YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry their fragment's moment")
     choice.add_argument("--target-utilization", type=float, default=0.95, help="compute / round time to reach")
     choice.add_argument("--min-h", type=int, default=24, help="smallest H considered (24: yeto's default)")
     choice.add_argument("--max-h", type=int, default=4096, help="largest H considered")

@@ -77,7 +77,7 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
         runtime=float(RUNTIME_BYTES),
         # Each answer's moment in its receive buffer, the averages of the last two merges kept for
         # the broadcasts (syncer/service/moments.py), and a merge's two fragment scratches.
-        shared_moments=(moment_bytes(sizes) * (depth * pushing + 2) + 8.0 * n_max) if setup.share_momentum else 0.0,
+        shared_moments=(moment_bytes(n_max) * (depth * pushing + 2) + 8.0 * n_max) if setup.share_momentum else 0.0,
     )
 
 
@@ -108,7 +108,7 @@ def island_memory(choice: Choice, sizes: Sequence[int], block: int = DEFAULT_BLO
     n_total, n_max = sum(sizes), max(sizes)
     down = 4 * n_max if choice.downlink == "f32" else 2 * n_max
     depth = min(choice.pipeline, choice.fragments)
-    moments = moment_bytes(sizes) * (depth + 1) + 8.0 * n_max if share_momentum else 0.0
+    moments = moment_bytes(n_max) * (depth + 1) + 8.0 * n_max if share_momentum else 0.0
     return IslandMemory(anchors=4.0 * n_total, work_buffers=4.0 * (STEADY_WORK_BUFFERS + 1) * n_max,
                         push_payload=float(payload_bytes(choice.codec, n_max, block)), broadcast_receive=float(down),
                         shared_moments=moments)

@@ -4,7 +4,6 @@ line (PROTOCOL §2–§3, yeto_core/codecs.py, yeto_core/quant.py), for `syncer/
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 
 class PlanError(ValueError):
@@ -59,10 +58,10 @@ def push_wire_bytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
     return bulk_frames(payload_bytes(codec, numel, block), PUSH_BODY)
 
 
-def moment_bytes(sizes: Sequence[int]) -> int:
-    """A model's first moment on the wire (yeto_core/moments.py moment_nbytes): one int4 payload at
-    the default block per fragment, carried by every push and broadcast when moments are shared."""
-    return sum(payload_bytes("int4", n, DEFAULT_BLOCK) for n in sizes)
+def moment_bytes(numel: int) -> int:
+    """A fragment's first moment on the wire (yeto_core/moments.py moment_nbytes): one int4 payload
+    at the default block, carried by the fragment's pushes and broadcasts when moments are shared."""
+    return payload_bytes("int4", numel, DEFAULT_BLOCK)
 
 
 def bcast_wire_bytes(downlink: str, numel: int, full_every: int = BCAST_FULL_EVERY) -> float:

@@ -155,29 +155,31 @@ def moments_problems(kind: str, rank: int, world: int) -> list[str]:
     box: dict[str, Any] = {}
 
     def read() -> bool:
-        box["wire"] = moments.encode_all(layout)
+        box["wires"] = [moments.encode(fragment) for fragment in layout.fragments]
         return False
 
     store.run(read if rank == 0 else None)
-    wire = share(None if box.get("wire") is None else bytes(box["wire"]))
-    if wire is None:  # shared: every rank leaves here together
+    read_back = box.get("wires")
+    wires = share(None if read_back is None or None in read_back else [bytes(w) for w in read_back])
+    if wires is None:  # shared: every rank leaves here together
         store.close()
         return [f"{kind}: rank 0 read no moment"]
-    exact = torch.cat([before[slot.name].reshape(-1) for fragment in layout.fragments for slot in fragment.slots])
-    if bytes(encode_moment(layout, exact)) != wire:  # the optimizer's moment, read exactly, then encoded
-        problems.append(f"{kind}: rank 0 read another moment than its optimizer's")
-    mine = decode_moment(layout, memoryview(wire))
-    merged = encode_moment(layout, mine + torch.linspace(-1, 1, layout.total_numel))
-    shift = decode_moment(layout, merged) - mine
-    store.run((lambda: moments.rebase_all(layout, merged, memoryview(wire), 2)) if rank == 0 else None)
-    start = 0
-    for fragment in layout.fragments:
+    for fragment, wire in zip(layout.fragments, wires, strict=True):
+        exact = torch.cat([before[slot.name].reshape(-1) for slot in fragment.slots])
+        if bytes(encode_moment(exact)) != wire:  # the optimizer's moment, read exactly, then encoded
+            problems.append(f"{kind}: rank 0 read another moment than its optimizer's")
+        mine = decode_moment(fragment, memoryview(wire))
+        merged = encode_moment(mine + torch.linspace(-1, 1, fragment.numel))
+        shift = decode_moment(fragment, merged) - mine
+
+        def rebase(fragment: Any = fragment, merged: memoryview = merged, wire: bytes = wire) -> None:
+            moments.rebase_wire(fragment, merged, memoryview(wire), 2)
+
+        store.run(rebase if rank == 0 else None)
         for slot in fragment.slots:
-            want = before[slot.name] + 0.8**2 * shift[start + slot.offset : start + slot.offset + slot.numel].view(
-                slot.shape)
+            want = before[slot.name] + 0.8**2 * shift[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if not torch.allclose(full(exp_avg[slot.name]).float(), want, rtol=0, atol=1e-6):
                 problems.append(f"{kind}: rank {rank}: {slot.name}'s moment did not take the change")
-        start += fragment.numel
     digest = hashlib.sha256(b"".join(full(m).float().numpy().tobytes() for m in exp_avg.values())).hexdigest()
     if share(digest) != digest:  # every rank compares its own with rank 0's
         problems.append(f"{kind}: rank {rank}'s moments differ from rank 0's")

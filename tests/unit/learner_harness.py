@@ -74,7 +74,7 @@ class MemoryLink:
         wire = None
         if moment is not None:
             assert self.layout is not None, "a moment comes with a broadcast after the session started"
-            wire = encode_moment(self.layout, moment)
+            wire = encode_moment(moment.contiguous())
         self.events.append(Received(Bcast(fragment, version, round_id, flags, 0, 0, 0), values.clone(), wire))
 
     def final(self, fragment: int, version: int, values: torch.Tensor, rounds: int = 1) -> None:

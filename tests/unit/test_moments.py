@@ -27,7 +27,6 @@ from yeto_core.moments import (
     encode_moment,
     moment_nbytes,
     moment_problem,
-    moment_spans,
 )
 from yeto_core.net.tickets import Concatenated
 from yeto_core.uplink import PushEncoder
@@ -142,10 +141,10 @@ def test_a_push_carries_its_moment_after_the_delta_and_the_syncer_reads_both_bac
     _, layout = two_tensors()
     n = layout.fragments[0].numel
     delta, moment = torch.linspace(-1, 1, n), torch.linspace(2, -3, n)
-    job = PushJob(Pull(3, 1, 0, 2), 2, 100, 4, None, delta, encode_moment(layout, moment))
+    job = PushJob(Pull(3, 1, 0, 2), 2, 100, 4, None, delta, encode_moment(moment))
     msg, payload, nbytes = PushEncoder(codec).encode(job)
     assert msg.codec == codec.wire_id | PUSH_MOMENT
-    assert nbytes == codec.encoded_nbytes(n) + MOMENT_CODEC.encoded_nbytes(layout.total_numel)
+    assert nbytes == codec.encoded_nbytes(n) + MOMENT_CODEC.encoded_nbytes(n)
     wire = bytearray(nbytes)
     if isinstance(payload, memoryview):
         wire[:] = payload
@@ -159,7 +158,7 @@ def test_a_push_carries_its_moment_after_the_delta_and_the_syncer_reads_both_bac
     got_delta, got_wire = parts
     assert got_wire is not None
     assert got_wire.obj is memoryview(wire).obj  # kept as it came: a view of the push's own buffer
-    got_moment = decode_moment(layout, got_wire)
+    got_moment = decode_moment(layout.fragments[0], got_wire)
     for sent, got, by in ((delta, got_delta, codec), (moment, got_moment, MOMENT_CODEC)):
         one = bytearray(by.encoded_nbytes(n))
         by.encode(sent, memoryview(one))
@@ -171,13 +170,13 @@ def test_a_push_carries_its_moment_after_the_delta_and_the_syncer_reads_both_bac
 def test_the_moment_bit_and_the_payload_size_must_agree_and_a_bad_moment_is_refused() -> None:
     _, layout = two_tensors()
     n = layout.fragments[0].numel
-    longer = 4 * n + moment_nbytes(layout)
+    longer = 4 * n + moment_nbytes(layout.fragments[0])
     msg = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id)
     assert "expected" in (payload_problem(layout, msg, memoryview(bytearray(longer)), F32) or "")
     with_bit = Push(3, 1, 0, 2, 100, 4, 0, 0, 0, F32.wire_id | PUSH_MOMENT)
     assert "expected" in (payload_problem(layout, with_bit, memoryview(bytearray(4 * n)), F32) or "")
     assert payload_screen(with_bit) is None  # the moment's bytes are no f32: the delta is checked on decoding
-    corrupt = bytearray(bytes(tensor_bytes(torch.zeros(n))) + b"\xff" * moment_nbytes(layout))
+    corrupt = bytearray(bytes(tensor_bytes(torch.zeros(n))) + b"\xff" * moment_nbytes(layout.fragments[0]))
     assert payload_problem(layout, with_bit, memoryview(corrupt), F32) is None
     assert "first moment" in str(decode_push(layout, with_bit, memoryview(corrupt), F32))
 
@@ -207,32 +206,34 @@ def answer(lid: int, moment: memoryview | None) -> Answer:
     return Answer(lid, 1, 100, 4, torch.zeros(3), 0, moment=moment)
 
 
-def test_a_models_moment_is_one_payload_per_fragment_in_fragment_order() -> None:
+def test_a_push_carries_its_own_fragments_moment_and_the_syncer_expects_that_fragments_size() -> None:
     layout = three_fragments()
-    moment = torch.linspace(-3, 5, layout.total_numel)
-    wire = encode_moment(layout, moment)
-    assert len(wire) == moment_nbytes(layout) == sum(MOMENT_CODEC.encoded_nbytes(f.numel) for f in layout.fragments)
-    start = 0
-    for fragment, span in moment_spans(layout):  # each part decodes on its own
-        alone = bytearray(MOMENT_CODEC.encoded_nbytes(fragment.numel))
-        MOMENT_CODEC.encode(moment[start : start + fragment.numel], memoryview(alone))
-        assert bytes(wire[span]) == bytes(alone)
-        start += fragment.numel
-    assert moment_problem(layout, wire) is None
+    for fragment in layout.fragments:
+        moment = torch.linspace(-3, 5, fragment.numel)
+        wire = encode_moment(moment)
+        assert len(wire) == moment_nbytes(fragment) == MOMENT_CODEC.encoded_nbytes(fragment.numel)
+        assert moment_problem(fragment, wire) is None
+        assert torch.equal(decode_moment(fragment, wire), decode_moment(fragment, memoryview(bytes(wire))))
+        msg = Push(3, 1, fragment.index, 2, 100, 4, 0, 0, 0, F32.wire_id | PUSH_MOMENT)
+        payload = memoryview(bytearray(bytes(tensor_bytes(torch.zeros(fragment.numel))) + bytes(wire)))
+        assert payload_problem(layout, msg, payload, F32) is None
+        other = layout.fragments[(fragment.index + 1) % 3]  # another fragment's moment is the wrong size
+        wrong = memoryview(bytearray(bytes(tensor_bytes(torch.zeros(fragment.numel)))
+                                     + bytes(encode_moment(torch.zeros(other.numel)))))
+        assert "expected" in (payload_problem(layout, msg, wrong, F32) or "")
 
 
 def test_a_moment_that_is_short_has_a_bad_scale_or_decodes_to_inf_is_a_problem() -> None:
-    layout = three_fragments()
-    wire = bytearray(encode_moment(layout, torch.ones(layout.total_numel)))
-    assert "expected" in (moment_problem(layout, memoryview(wire)[:-1]) or "")
-    second = moment_spans(layout)[1][1].start
+    fragment = three_fragments().fragments[0]
+    wire = bytearray(encode_moment(torch.ones(fragment.numel)))
+    assert "expected" in (moment_problem(fragment, memoryview(wire)[:-1]) or "")
     for scale, why in ((float("nan"), "scale"), (3e38, "would not be finite"), (-1.0, "scale")):  # 3e38 · 8 overflows
         bad = bytearray(wire)
-        bad[second + 4 : second + 8] = torch.tensor([scale]).numpy().tobytes()
-        problem = moment_problem(layout, memoryview(bad))
-        assert problem is not None and why in problem and "fragment" in problem
+        bad[4:8] = torch.tensor([scale]).numpy().tobytes()
+        problem = moment_problem(fragment, memoryview(bad))
+        assert problem is not None and why in problem
         with pytest.raises(ValueError) if why == "scale" else contextlib.nullcontext():
-            values = decode_moment(layout, memoryview(bad))  # the decode agrees with the check
+            values = decode_moment(fragment, memoryview(bad))  # the decode agrees with the check
             assert not bool(torch.isfinite(values).all())
 
 
@@ -251,20 +252,20 @@ def test_the_scale_check_passes_every_honest_payload_and_nothing_that_decodes_to
             assert MOMENT_CODEC.problem(memoryview(wire), n) is not None
 
 def test_the_merged_moment_is_weighted_like_the_merge_over_those_that_sent_one() -> None:
-    layout = three_fragments()
-    n = layout.total_numel
-    m0, m2 = encode_moment(layout, torch.linspace(1, 3, n)), encode_moment(layout, torch.linspace(3, -1, n))
-    d0, d2 = decode_moment(layout, m0), decode_moment(layout, m2)
+    fragment = three_fragments().fragments[0]
+    n = fragment.numel
+    m0, m2 = encode_moment(torch.linspace(1, 3, n)), encode_moment(torch.linspace(3, -1, n))
+    d0, d2 = decode_moment(fragment, m0), decode_moment(fragment, m2)
 
     def want(mean: torch.Tensor) -> bytes:  # the average of what arrived, carried back in the same code
-        return bytes(encode_moment(layout, mean))
+        return bytes(encode_moment(mean))
 
-    got = merged_moment(layout, [answer(0, m0), answer(1, None), answer(2, m2)], [0.25, 0.5, 0.25])
+    got = merged_moment(fragment, [answer(0, m0), answer(1, None), answer(2, m2)], [0.25, 0.5, 0.25])
     assert got is not None and bytes(got) == want(torch.zeros(n).add_(d0, alpha=0.5).add_(d2, alpha=0.5))
-    got = merged_moment(layout, [answer(0, m0), answer(2, m2)], [0.75, 0.25])
+    got = merged_moment(fragment, [answer(0, m0), answer(2, m2)], [0.75, 0.25])
     assert got is not None and bytes(got) == want(torch.zeros(n).add_(d0, alpha=0.75).add_(d2, alpha=0.25))
-    assert merged_moment(layout, [answer(0, None)], [1.0]) is None
-    assert bytes(average_moments(layout, [(m0, 2.0)])) == bytes(m0)  # one moment averages to itself
+    assert merged_moment(fragment, [answer(0, None)], [1.0]) is None
+    assert bytes(average_moments(fragment, [(m0, 2.0)])) == bytes(m0)  # one moment averages to itself
 
 
 def test_the_relay_adds_the_moment_only_for_sharers_and_the_version_its_merge_made() -> None:
@@ -296,13 +297,13 @@ def test_the_learner_splits_a_broadcast_into_values_and_moment() -> None:
     n = layout.fragments[0].numel
     reader = BroadcastReader(layout, bcast_delta=False)
     values, moment = torch.arange(n, dtype=torch.float32), torch.linspace(-0.5, 0.5, n)
-    wire = memoryview(bytearray(bytes(tensor_bytes(values)) + bytes(encode_moment(layout, moment))))
+    wire = memoryview(bytearray(bytes(tensor_bytes(values)) + bytes(encode_moment(moment))))
     msg = Bcast(0, 1, 1, BCAST_FULL | BCAST_MOMENT, 0, 0, F32.wire_id)
     rest, got = reader.moment_of(msg, wire)
-    assert got is not None and bytes(got) == bytes(encode_moment(layout, moment))
+    assert got is not None and bytes(got) == bytes(encode_moment(moment))
     assert torch.equal(reader.values(msg, rest), values)
     with pytest.raises(ProtocolError, match="first moment"):
-        reader.moment_of(msg, wire[: moment_nbytes(layout) - 1])
+        reader.moment_of(msg, wire[: moment_nbytes(layout.fragments[0]) - 1])
     plain = Bcast(0, 1, 1, BCAST_FULL, 0, 0, F32.wire_id)
     assert reader.moment_of(plain, wire)[1] is None
 
@@ -337,10 +338,11 @@ def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -
     # the moment as the syncer will decode it (4 bits a value), so the install replaces just that
     layout = link.layout
     assert layout is not None and job.moment is not None
-    assert bytes(job.moment) == bytes(encode_moment(layout, opt.state[theta]["exp_avg"]))
-    pushed = decode_moment(layout, job.moment)
+    fragment = layout.fragments[0]
+    assert bytes(job.moment) == bytes(encode_moment(opt.state[theta]["exp_avg"]))
+    pushed = decode_moment(fragment, job.moment)
     train()  # step 3, trained while the round merges
-    fleet = decode_moment(layout, encode_moment(layout, pushed * 0.5 + 0.25))  # as the broadcast carries it
+    fleet = decode_moment(fragment, encode_moment(pushed * 0.5 + 0.25))  # as the broadcast carries it
     link.bcast(0, 1, 0, job.delta.clone(), merged=True, moment=fleet)
     theta.grad = torch.randn(4, generator=gen)
     opt.step()  # step 4's optimizer step; its session.step installs the broadcast
@@ -394,46 +396,85 @@ def test_a_round_pulled_again_gets_the_same_moment_and_a_round_without_us_still_
     assert replay.pull.attempt == 2 and replay.moment is first.moment and torch.equal(replay.delta, first.delta)
     layout = link.layout
     assert layout is not None
-    fleet = decode_moment(layout, encode_moment(layout, torch.full((4,), 3.0)))
+    fragment = layout.fragments[0]
+    fleet = decode_moment(fragment, encode_moment(torch.full((4,), 3.0)))
     link.bcast(0, 1, 0, torch.full((4,), 0.5), merged=False, moment=fleet)  # committed without us
     theta.grad = torch.full((4,), 1.0)
     opt.step()
     held = opt.state[theta]["momentum_buffer"].clone()
     session.step(tokens=10)
     steps = 2  # from the push at step 2 to this install at step 4
-    pushed = decode_moment(layout, first.moment)
+    pushed = decode_moment(fragment, first.moment)
     assert torch.allclose(opt.state[theta]["momentum_buffer"], held + 0.5**steps * (fleet - pushed))
 
 
-def test_the_whole_models_moment_runs_in_fragment_order_and_rebases_every_tensor() -> None:
+def test_a_fragments_moment_is_read_and_rebased_in_its_own_tensors_only() -> None:
     named = [(n, torch.nn.Parameter(torch.zeros(k))) for n, k in (("a", 5), ("b", 3), ("c", 4))]
     layout = build_layout(specs_from_named_tensors(named), 2, "binpack")
     opt = torch.optim.AdamW([p for _, p in named], betas=(0.5, 0.9))
     moments = OptimizerMoments(opt, named)
     adam_steps(named, opt, 2)  # type: ignore[arg-type]
-    wire = moments.encode_all(layout)
-    assert wire is not None
-    whole = decode_moment(layout, wire)
-    assert whole.numel() == 12
     by_name = {n: opt.state[p]["exp_avg"] for n, p in named}
-    start = 0
-    for fragment in layout.fragments:
-        for slot in fragment.slots:
-            part = whole[start + slot.offset : start + slot.offset + slot.numel]
-            # within half a 4-bit step of what the optimizer holds
-            step = by_name[slot.name].abs().max().item() / 7
-            torch.testing.assert_close(part, by_name[slot.name], rtol=0, atol=step / 2 + 1e-7)
-        start += fragment.numel
+    fragment = layout.fragments[0]
+    wire = moments.encode(fragment)
+    assert wire is not None and len(wire) == moment_nbytes(fragment)
+    pushed = decode_moment(fragment, wire)
+    for slot in fragment.slots:  # within half a 4-bit step of what the optimizer holds
+        step = by_name[slot.name].abs().max().item() / 7
+        torch.testing.assert_close(pushed[slot.offset : slot.offset + slot.numel], by_name[slot.name], rtol=0,
+                                   atol=step / 2 + 1e-7)
     before = {n: m.clone() for n, m in by_name.items()}
-    merged = encode_moment(layout, whole + 1.0)
-    shift = decode_moment(layout, merged) - whole  # what the 4-bit code carries of the + 1
-    moments.rebase_all(layout, merged, wire, 1)
-    start = 0
-    for fragment in layout.fragments:
-        for slot in fragment.slots:
-            want = before[slot.name] + 0.5 * shift[start + slot.offset : start + slot.offset + slot.numel]
-            torch.testing.assert_close(by_name[slot.name], want, rtol=0, atol=1e-6)
-        start += fragment.numel
+    merged = encode_moment(pushed + 1.0)
+    shift = decode_moment(fragment, merged) - pushed  # what the 4-bit code carries of the + 1
+    moments.rebase_wire(fragment, merged, wire, 1)
+    mine = {slot.name for slot in fragment.slots}
+    for slot in fragment.slots:
+        want = before[slot.name] + 0.5 * shift[slot.offset : slot.offset + slot.numel]
+        torch.testing.assert_close(by_name[slot.name], want, rtol=0, atol=1e-6)
+    for name in set(by_name) - mine:  # the other fragment's tensors keep their own moment
+        assert torch.equal(by_name[name], before[name])
+
+
+def test_a_session_of_two_fragments_pushes_and_takes_each_fragments_own_moment() -> None:
+    """Hand-fed, two fragments, H = 2 (a boundary every step): the push of a fragment carries that
+    fragment's moment, and its install changes that fragment's tensors' moments only."""
+    a, b = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([a, b], lr=0.01, momentum=0.5)
+    session, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, overlap=True)
+    session.share_momentum(opt)
+
+    def train() -> None:
+        a.grad, b.grad = torch.full((6,), 1.0), torch.full((2,), 2.0)
+        opt.step()
+        session.step(tokens=10)
+
+    link.bcast(0, 0, 0, torch.zeros(6))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    session.start()
+    layout = link.layout
+    assert layout is not None
+    which = {f.index: {s.name for s in f.slots} for f in layout.fragments}
+    first = next(i for i, names in which.items() if "a" in names)
+    train()
+    link.pull(0, first, 0)
+    train()
+    (job,) = link.jobs
+    fragment = layout.fragments[first]
+    assert job.moment is not None and len(job.moment) == moment_nbytes(fragment)
+    pushed = decode_moment(fragment, job.moment)
+    held = {n: opt.state[p]["momentum_buffer"].clone() for n, p in (("a", a), ("b", b))}
+    fleet = decode_moment(fragment, encode_moment(pushed + 4.0))
+    link.bcast(first, 1, 0, job.delta.clone(), merged=True, moment=fleet)
+    session.step(tokens=10)  # one step after the push, with no optimizer step: it installs, and only the fold moves
+    assert session.stats.moments_shared == 1
+    for name, p in (("a", a), ("b", b)):
+        now = opt.state[p]["momentum_buffer"]
+        if name in which[first]:
+            slot = next(s for s in fragment.slots if s.name == name)
+            change = (fleet - pushed)[slot.offset : slot.offset + slot.numel] * 0.5  # β^1
+            torch.testing.assert_close(now, held[name] + change, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(now, held[name])
 
 
 def test_islands_whose_optimizer_keeps_its_moments_elsewhere_are_refused_naming_the_setting() -> None:
