@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write stall.json here")
     ap.add_argument("--quick", action="store_true", help="the main job's model, one pair of 30-step runs")
     ap.add_argument("--share-momentum", action="store_true",
-                    help="YETO_DILOCO_SHARE_MOMENTUM: every boundary reads and encodes the model's moment")
+                    help="YETO_DILOCO_SHARE_MOMENTUM: every boundary reads and encodes its fragment's moment")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.pairs, args.steps = "main", 1, 30

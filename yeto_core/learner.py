@@ -53,7 +53,7 @@ from yeto_core.fragment_sync import FragmentSync
 from yeto_core.layout import Layout, TensorSpec, build_layout
 from yeto_core.learner_state import FragmentState, LearnerStats
 from yeto_core.link import MONOTONIC, Clock, Connected, Inbound, InitWanted, Link, Lost, PushEnded, PushJob
-from yeto_core.moments import MomentError, OptimizerMoments
+from yeto_core.moments import MomentError, OptimizerMoments, warm_codec
 from yeto_core.refusal import ProbeFailed, stop_if_refused
 from yeto_core.sections import DEFAULT_SYNC_INTERVAL, Schedule
 from yeto_core.settings import LearnerSettings
@@ -132,6 +132,7 @@ class LearnerSession:
         """`share_momentum` through `moments`: an island of several ranks reads and changes its
         optimizer's moment through its store's collectives (`yeto_plugins.torch_dist.moments`)."""
         self.sync.moments = moments
+        warm_codec()
 
     # -- what a driver may look at -------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ moment is shared or not.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +86,19 @@ def average_moments(fragment: Fragment, sent: Sequence[tuple[memoryview, float]]
     for payload, weight in sent:
         mean.add_(decode_moment(fragment, payload, part), alpha=weight / total)
     return encode_moment(mean)
+
+
+def warm_codec() -> threading.Thread:
+    """Load `MOMENT_CODEC`'s compiled loops on a thread of their own (numba compiles, or loads from
+    its cache, each loop on its first call: about half a second), so the first boundary that
+    encodes a moment does not pay for it on the training thread."""
+    def warm() -> None:
+        out = torch.empty(2 * MOMENT_CODEC.block)
+        MOMENT_CODEC.decode(encode_moment(out.zero_()), out)
+
+    thread = threading.Thread(target=warm, name="yeto-moment-codec", daemon=True)
+    thread.start()
+    return thread
 
 
 class MomentError(SettingsError):

@@ -4,6 +4,7 @@ averaged by the merge, carried back after a broadcast's values and folded into t
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,8 @@ from learner_harness import hand_fed
 from syncer.core.payload import decode_push, payload_problem, payload_screen
 from syncer.core.rounds import Answer
 from syncer.service.moments import HELD_MERGES, MomentRelay, merged_moment
+from yeto_core import learner as learner_module
+from yeto_core import moments as moments_module
 from yeto_core.codecs import BF16, F32, Bf16Parts, codec_by_name, tensor_bytes
 from yeto_core.downlink import BroadcastReader
 from yeto_core.layout import Layout, build_layout, specs_from_named_tensors
@@ -493,3 +496,22 @@ def test_islands_whose_optimizer_keeps_its_moments_elsewhere_are_refused_naming_
     settings = LearnerSettings(syncer="127.0.0.1:7070", share_momentum=True)
     with pytest.raises(MomentError, match=r"SHARE_MOMENTUM: Megatron's optimizer.*unset it"):
         MegatronDiLoCoSync([torch.nn.Linear(2, 2)], object(), settings)
+
+
+def test_the_codec_is_warmed_on_a_thread_of_its_own_when_a_session_starts_sharing() -> None:
+    theta = torch.nn.Parameter(torch.zeros(4))
+    session, _, _, _ = hand_fed([("w", theta)])
+    started: list[threading.Thread] = []
+    real = moments_module.warm_codec
+
+    def spy() -> threading.Thread:
+        started.append(real())
+        return started[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(learner_module, "warm_codec", spy)
+        session.share_momentum(torch.optim.AdamW([theta]))
+    (thread,) = started
+    assert thread is not threading.current_thread() and thread.daemon
+    thread.join(60)
+    assert not thread.is_alive()
