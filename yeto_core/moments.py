@@ -6,13 +6,14 @@ installed, the island's parameters move to the fleet's, but that moment still po
 island's own trajectory, and the next steps drift apart again from there. Sharing it removes
 that: each push carries its fragment's moment, the syncer averages them with the merge's
 weights, and the broadcast brings the average back, to be taken into that fragment's tensors as
-their parameters take the fleet's. A push carries its own fragment's moment only: taking the
-fleet's moment into the tensors whose parameters are not being installed gains at a round trip
-of one step and costs at three, where the fragment's own is the best of the three rules measured
-(README), and it keeps the cost a fragment's: 4.25 bits per value of the fragment each way, a
-merge's worth of work on the syncer, a fragment's read and encode on the training thread. The
-moment is advice, not state, so it travels in a 4-bit block code (`MOMENT_CODEC`) both ways,
-and each side keeps it in that form until it is used.
+their parameters take the fleet's. A push carries its own fragment's moment only. Every tensor's
+moment with every push gets more back at short round trips, but at a late install (a round trip
+of three steps) it cost loss in three cells of four, the fragment's own in one, and it costs P
+times the fragment's bytes, syncer work and training-thread time (README, "What the GPT-2 gap
+is"); the fragment's own costs 4.25 bits per value of the fragment each way, about one more
+merge on the syncer, and a fragment's read and encode at a boundary. The moment is advice, not
+state, so it travels in a 4-bit block code (`MOMENT_CODEC`) both ways, and each side keeps it in
+that form until it is used.
 
 The moment is an exponential average, m ← β·m + (1 − β)·g per step, so the average of the
 moments at the push, m̄, replaces the island's own m_push by adding β^k·(m̄ − m_push) to the
