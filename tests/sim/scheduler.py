@@ -21,6 +21,21 @@ from typing import Any
 BATON_TIMEOUT_S = 60.0  # real seconds an actor may hold the baton: a hang is a bug, not a wait
 
 
+class _Signal:
+    """A binary semaphore on a bare lock: a hand-over is a C-level acquire, not `threading.Semaphore`'s
+    condition variable, which made hand-overs most of a simulated run's time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def acquire(self, timeout: float = -1) -> bool:
+        return self._lock.acquire(timeout=timeout)
+
+
 class Killed(BaseException):
     """Raised inside an actor's thread at its next wait when the simulation kills it (a crash).
     A BaseException, so the code under test cannot catch it as a failure of its own."""
@@ -36,7 +51,7 @@ class Scheduler:
         self.now = start
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
-        self._baton = threading.Semaphore(0)  # released by an actor when it hands the baton back
+        self._baton = _Signal()  # released by an actor when it hands the baton back
         self.failure: BaseException | None = None  # an actor's unexpected exception ends the run
 
     def clock(self) -> float:
@@ -78,7 +93,7 @@ class Actor:
         self.sim = sim
         self.name = name
         self._body = body
-        self._go = threading.Semaphore(0)
+        self._go = _Signal()
         self._wake_token = 0  # a wake-up is for the wait it was set for, not a later one
         self.waiting_for_input = False
         self.killed = False
