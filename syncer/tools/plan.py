@@ -67,7 +67,6 @@ MAX_BLOCK = 1 << 20  # yeto_core/quant.py MAX_BLOCK
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
 
 
-
 @dataclass(frozen=True)
 class Tensor:
     name: str
