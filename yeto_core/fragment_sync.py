@@ -52,6 +52,7 @@ class FragmentSync:
         self.queued: list[PushJob] = []  # pushes handed to the link and not yet accounted for, oldest first
         self.links = 0  # connections made so far (the syncer's attempt numbers restart with each)
         self.moments: OptimizerMoments | None = None  # the optimizer's first moment, when shared (§3.9)
+        self.latest_round = -1  # the highest round a PULL or BCAST named: how far the syncer's rounds are
 
     def begin(self, layout: Layout, blocking: frozenset[int]) -> None:
         self.layout, self.blocking = layout, blocking
@@ -64,10 +65,13 @@ class FragmentSync:
     # -- what the syncer sent ----------------------------------------------------------------
     def take(self, msg: Message, values: torch.Tensor | None, moment: memoryview | None = None) -> None:
         if isinstance(msg, Pull):
+            self.latest_round = max(self.latest_round, msg.round)
             if self.fragments[msg.fragment].take_pull(msg, self.links):
                 self._replay(msg.fragment)
         elif isinstance(msg, Bcast):
             assert values is not None
+            if msg.version > 0:  # a commit's round (the initial cut's names the next round, not launched yet)
+                self.latest_round = max(self.latest_round, msg.round)
             self.fragments[msg.fragment].take_bcast(msg, values, moment)
         elif isinstance(msg, Final):
             assert values is not None
@@ -124,11 +128,11 @@ class FragmentSync:
             return False
         return any(f.pull is not None and f.version == f.pull.version for f in self.fragments)
 
-    def pulls_to_answer(self, skip: Collection[int] = ()) -> bool:
+    def pulls_to_answer(self, skip: Collection[int] = (), before: int | None = None) -> bool:
         """A PULL is held that a boundary can answer now, or once the BCAST it names is in (the
-        fragments in `skip` aside)."""
+        fragments in `skip` aside; only rounds before `before`, if given)."""
         for i, f in enumerate(self.fragments):
-            if f.pull is None or i in skip:
+            if f.pull is None or i in skip or (before is not None and f.pull.round >= before):
                 continue
             if f.version < f.pull.version:
                 return True

@@ -110,6 +110,7 @@ class LearnerSession:
         self._last_step_at: float | None = None
         self._step_s: float | None = None
         self._sync_interval = settings.sync_interval or DEFAULT_SYNC_INTERVAL  # the syncer's, once announced
+        self._paced = False  # the syncer paces rounds by H learner steps (it announced an H)
         self.consensus = ConsensusReporter(probe, settings.consensus, learner_id=settings.learner_id)
 
     def _syncer_client(self) -> Link:
@@ -205,6 +206,7 @@ class LearnerSession:
                           f"YETO_DILOCO_FRAGMENTS={expected}")
         # Set before the layout, whose arrival makes the training thread count boundaries by it.
         self._sync_interval = self._interval_for(schedule.sync_interval)
+        self._paced = bool(schedule.sync_interval)
         # Only the link asks, one dial at a time, so the layout is built once without a lock.
         layout = self.sync.layout
         if layout is None:
@@ -391,12 +393,30 @@ class LearnerSession:
         log.info("learner %d: final cut installed after %d rounds at step %d", self.settings.learner_id, rounds,
                  self.stats.steps)
 
+    def rounds_owed(self) -> int:
+        """Rounds this island's steps reached that no push of it answered yet: those its syncer has
+        not launched, when at most one per fragment, plus one if a PULL of such a round is held.
+        A syncer paces rounds by H steps of the fleet's measured step time, so a start that took
+        longer than a round (the first merge, a slow first push) leaves it a few rounds behind for
+        the rest of the run; an island that said DONE then would lose each lagging fragment's last
+        round of training. More than P behind is an island ahead of its fleet's pace (a faster one
+        beside a slower), which the syncer rightly does not follow: nothing is owed then."""
+        s = self.settings
+        if not self._paced or self.layout is None or s.lockstep or s.sweeps or s.final_flush:
+            return 0
+        due = self.stats.steps // self.boundary_every  # rounds 0 .. due - 1 had their boundary here
+        behind = due - 1 - self.sync.latest_round
+        if behind > self.layout.num_fragments:
+            return 0
+        return max(behind, 0) + int(self.sync.pulls_to_answer(before=due))
+
     def finish(self) -> bool:
         """Local training ended: push what each fragment trained since its last push (the final
         flush, `final_flush`), then ask for the final cut and install it; `final_timeout_s` bounds
-        it all, and the flush gets at most half of it. Without the flush, the island still waits,
-        for at most that half, until the pushes it sent are merged (or their rounds committed
-        without them), so its DONE never overtakes its own last push."""
+        it all, and the flush gets at most half of it. Without the flush, the island first answers
+        the rounds its steps reached that no push answered yet (`rounds_owed`), then
+        waits until the pushes it sent are merged (or their rounds committed without them), so its
+        DONE never overtakes its own last push; both within that half."""
         s = self.settings
         if self.stats.final_installed:
             return True
@@ -411,6 +431,14 @@ class LearnerSession:
         # stream, so DONE can arrive first): the syncer would then drop this island from their
         # rounds, and DONE from every island would let it finalize without them.
         settling = not flushing
+        # Owed rounds are this connection's syncer's: one that restarts (resumed or not) repulls
+        # what it lost and paces its own rounds, so a new connection ends the catching up.
+        self.pump(0.0)  # a link lost meanwhile is known before deciding
+        on_link = self.sync.links
+        catching_up = self._generation is not None and self.rounds_owed() > 0
+        if catching_up:
+            log.info("learner %d: %d rounds its steps reached are not answered yet (the syncer's rounds lag); "
+                     "answering them before DONE", s.learner_id, self.rounds_owed())
         while self.clock() < deadline:
             if stop_if_refused(s, self.link.refused):
                 return False
@@ -419,7 +447,14 @@ class LearnerSession:
                     log.warning("learner %d: the last steps of some fragments were not merged in time; asking for "
                                 "the final cut without them", s.learner_id)
                 flushing = False
-            if settling and (self.sync.pushes_merged() or self.clock() > started + s.final_timeout_s / 2):
+            if catching_up and (not self.rounds_owed() or self.sync.links != on_link or self._generation is None
+                                or self.clock() > started + s.final_timeout_s / 2):
+                if self.rounds_owed() and self.sync.links == on_link:
+                    log.warning("learner %d: the syncer did not reach this island's last rounds in time; asking "
+                                "for the final cut without them", s.learner_id)
+                catching_up = False
+            if settling and not catching_up and (
+                    self.sync.pushes_merged() or self.clock() > started + s.final_timeout_s / 2):
                 if not self.sync.pushes_merged():
                     log.warning("learner %d: the last pushes were not merged in time; asking for the final "
                                 "cut without them", s.learner_id)
@@ -432,7 +467,7 @@ class LearnerSession:
             if self.final_ready:
                 self._install_final()
                 return True
-            if flushing:  # every pull is a boundary now: nothing trains in between
+            if flushing or (catching_up and self._generation is not None):  # every pull is a boundary now
                 self.sync.install_bcasts()
                 self._boundary()
         log.warning("learner %d: the final cut did not arrive within %.0f s; keeping local weights",

@@ -214,6 +214,8 @@ def test_learner_0_in_finish_seeds_a_syncer_restarted_without_resume(procs: Proc
         island.start()
         island.train_until(lambda: len(first.commits()) >= 3, 60, "3 committed rounds")
         first.proc.sigkill()
+        # finish() answers rounds it owes only on a live link: let the link notice the loss first.
+        wait_until(lambda: not island.session.link.connected, 10, "the island noticing its syncer died")
         ended = [p.detach().clone() for p in island.model.parameters()]
         waiting = threading.Thread(target=lambda: outcome.update(final=island.session.finish()), daemon=True)
         waiting.start()

@@ -532,3 +532,94 @@ def test_an_overlapping_island_says_done_only_once_its_last_sweep_is_merged() ->
     link.on_wait = syncer
     assert s.finish()
     assert any(isinstance(m, Done) for m in link.sent) and torch.equal(w, torch.ones(2))
+
+
+def lagging_syncer() -> tuple[LearnerSession, MemoryLink, FakeClock, tuple[torch.Tensor, torch.Tensor]]:
+    """Two fragments at H = 4 (a boundary every 2 steps), 8 steps trained: this island's steps reached
+    rounds 0-3, and its syncer, which started late, launched only rounds 0 and 1."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=None, final_timeout_s=100)
+    link.sync_interval = 4  # the syncer paces rounds by steps
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    for step in range(1, 9):
+        if step == 2:
+            link.pull(0, 0, 0)
+        if step == 4:
+            link.bcast(0, 1, 0, torch.full((2,), 2.0), merged=True)
+            link.pull(1, 1, 0)
+        if step == 6:
+            link.bcast(1, 1, 1, torch.full((2,), 4.0), merged=True)
+        a.add_(1.0)
+        b.add_(1.0)
+        s.step(tokens=5)
+    assert [j.pull.round for j in link.jobs] == [0, 1]
+    return s, link, clock, (a, b)
+
+
+def test_an_island_answers_the_rounds_its_steps_reached_before_saying_done_when_its_syncer_lags() -> None:
+    """A syncer that started late paces one round per H/P steps of the fleet but stays behind: an island
+    saying DONE at once would lose each lagging fragment's last round of training."""
+    s, link, _, _ = lagging_syncer()
+    assert s.rounds_owed() == 2
+
+    def syncer() -> None:
+        rounds = [j.pull.round for j in link.jobs]
+        dones = any(isinstance(m, Done) for m in link.sent)
+        if rounds == [0, 1] and s.fragments[0].pull is None:
+            link.pull(2, 0, 1)
+        elif rounds == [0, 1, 2] and s.fragments[1].pull is None and s.fragments[0].version == 1:
+            link.bcast(0, 2, 2, torch.full((2,), 9.0), merged=True)
+            link.pull(3, 1, 1)
+        elif rounds == [0, 1, 2, 3] and s.fragments[1].version == 1 and s.fragments[1].bcast is None:
+            assert not dones, "DONE before the last round's push merged"
+            link.bcast(1, 2, 3, torch.full((2,), 9.0), merged=True)
+        elif dones and not s.final_ready:
+            link.final(0, 2, torch.full((2,), 9.0))
+            link.final(1, 2, torch.full((2,), 9.0))
+
+    link.on_wait = syncer
+    assert s.finish()
+    late = link.jobs[2:]
+    assert [(j.pull.round, j.steps) for j in late] == [(2, 6), (3, 4)]  # every step since each fragment's push
+    assert link.sent == [Done(8), Bye("final cut installed")]
+
+
+def test_an_island_far_ahead_of_its_syncer_says_done_without_waiting() -> None:
+    """More than a round per fragment behind is not a late start but a faster island beside a slower
+    one, whose pace the syncer follows: nothing is waited for."""
+    s, link, clock, _ = lagging_syncer()
+    for _ in range(4):  # 16 steps: rounds 0-7 reached, 6 of them not launched
+        s.step(tokens=5)
+    assert s.rounds_owed() == 0
+    started = clock.now
+
+    def syncer() -> None:
+        if any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
+            link.final(0, 1, torch.zeros(2))
+            link.final(1, 1, torch.zeros(2))
+
+    link.on_wait = syncer
+    assert s.finish()
+    assert clock.now - started < 1.0 and len(link.jobs) == 2
+
+
+def test_rounds_owed_to_a_syncer_that_died_are_not_waited_for_on_the_next_connection() -> None:
+    """A restarted syncer re-pulls what it lost and paces rounds of its own: what the old one owed
+    is not waited for, and DONE goes to the new one at once."""
+    s, link, clock, _ = lagging_syncer()
+    assert s.rounds_owed() == 2
+    started = clock.now
+
+    def syncer() -> None:
+        if link.generation == 1:  # the syncer dies while the island waits for its rounds, and restarts
+            link.lose()
+            link.connect()
+        elif any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
+            link.final(0, 1, torch.zeros(2))
+            link.final(1, 1, torch.zeros(2))
+
+    link.on_wait = syncer
+    assert s.finish()
+    assert clock.now - started < 1.0 and len(link.jobs) == 2 and link.sent[0] == Done(8)
