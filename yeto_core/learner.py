@@ -64,6 +64,10 @@ from yeto_core.wire.messages import Bye, Consensus, Done, Pull
 log = logging.getLogger("yeto.learner")
 
 FINAL_INSTALLED = "final cut installed"  # the goodbye that tells the syncer the final cut arrived
+# How long an island answering the rounds it is owed waits for the next one: four of its rounds'
+# worth of steps, at least this. A syncer that cannot launch (its quorum waits for a crashed
+# member) must not hold every DONE for half the final timeout.
+OWED_ROUND_PATIENCE_S = 5.0
 
 __all__ = ["FragmentState", "LearnerSession", "LearnerStats"]
 
@@ -436,6 +440,8 @@ class LearnerSession:
         self.pump(0.0)  # a link lost meanwhile is known before deciding
         on_link = self.sync.links
         catching_up = self._generation is not None and self.rounds_owed() > 0
+        patience = max(OWED_ROUND_PATIENCE_S, 4 * self.boundary_every * (self._step_s or 0.0))
+        progress = (self.sync.latest_round, self.clock())  # the last round seen, and when it was first seen
         if catching_up:
             log.info("learner %d: %d rounds its steps reached are not answered yet (the syncer's rounds lag); "
                      "answering them before DONE", s.learner_id, self.rounds_owed())
@@ -447,8 +453,10 @@ class LearnerSession:
                     log.warning("learner %d: the last steps of some fragments were not merged in time; asking for "
                                 "the final cut without them", s.learner_id)
                 flushing = False
+            if self.sync.latest_round != progress[0]:
+                progress = (self.sync.latest_round, self.clock())
             if catching_up and (not self.rounds_owed() or self.sync.links != on_link or self._generation is None
-                                or self.clock() > started + s.final_timeout_s / 2):
+                                or self.clock() > min(progress[1] + patience, started + s.final_timeout_s / 2)):
                 if self.rounds_owed() and self.sync.links == on_link:
                     log.warning("learner %d: the syncer did not reach this island's last rounds in time; asking "
                                 "for the final cut without them", s.learner_id)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from learner_harness import FakeClock, MemoryLink, hand_fed
 
-from yeto_core.learner import LearnerSession
+from yeto_core.learner import OWED_ROUND_PATIENCE_S, LearnerSession
 from yeto_core.probe import PROBE_EXIT_CODE, ProbeResult
 from yeto_core.refusal import IslandRefused, ProbeFailed
 from yeto_core.settings import LearnerSettings, SettingsError, load_settings
@@ -623,3 +623,20 @@ def test_rounds_owed_to_a_syncer_that_died_are_not_waited_for_on_the_next_connec
     link.on_wait = syncer
     assert s.finish()
     assert clock.now - started < 1.0 and len(link.jobs) == 2 and link.sent[0] == Done(8)
+
+
+def test_an_island_owed_rounds_by_a_syncer_that_launches_none_gives_up_after_a_few_rounds_time() -> None:
+    """A syncer whose quorum waits for a crashed member launches nothing: the island says DONE after
+    its patience, not half the final timeout."""
+    s, link, clock, _ = lagging_syncer()
+    assert s.rounds_owed() == 2
+    started = clock.now
+
+    def syncer() -> None:
+        if any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
+            link.final(0, 1, torch.zeros(2))
+            link.final(1, 1, torch.zeros(2))
+
+    link.on_wait = syncer
+    assert s.finish()
+    assert OWED_ROUND_PATIENCE_S <= clock.now - started < OWED_ROUND_PATIENCE_S + 1.0 and len(link.jobs) == 2
