@@ -4,6 +4,8 @@ schedule below is exact."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from learner_harness import FakeClock, MemoryLink, hand_fed
@@ -586,6 +588,24 @@ def test_an_island_answers_the_rounds_its_steps_reached_before_saying_done_when_
     assert link.sent == [Done(8), Bye("final cut installed")]
 
 
+def finish_timed(s: LearnerSession, link: MemoryLink, clock: FakeClock,
+                 before_done: Callable[[], None] = lambda: None) -> float:
+    """finish() against a syncer that sends the final cut once DONE is in (`before_done` acts on each
+    wait before that); the seconds it took on the session's clock."""
+    started = clock.now
+
+    def syncer() -> None:
+        if not any(isinstance(m, Done) for m in link.sent):
+            before_done()
+        elif not s.final_ready:
+            link.final(0, 1, torch.zeros(2))
+            link.final(1, 1, torch.zeros(2))
+
+    link.on_wait = syncer
+    assert s.finish()
+    return clock.now - started
+
+
 def test_an_island_far_ahead_of_its_syncer_says_done_without_waiting() -> None:
     """More than a round per fragment behind is not a late start but a faster island beside a slower
     one, whose pace the syncer follows: nothing is waited for."""
@@ -593,16 +613,7 @@ def test_an_island_far_ahead_of_its_syncer_says_done_without_waiting() -> None:
     for _ in range(4):  # 16 steps: rounds 0-7 reached, 6 of them not launched
         s.step(tokens=5)
     assert s.rounds_owed() == 0
-    started = clock.now
-
-    def syncer() -> None:
-        if any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
-            link.final(0, 1, torch.zeros(2))
-            link.final(1, 1, torch.zeros(2))
-
-    link.on_wait = syncer
-    assert s.finish()
-    assert clock.now - started < 1.0 and len(link.jobs) == 2
+    assert finish_timed(s, link, clock) < 1.0 and len(link.jobs) == 2
 
 
 def test_rounds_owed_to_a_syncer_that_died_are_not_waited_for_on_the_next_connection() -> None:
@@ -610,19 +621,13 @@ def test_rounds_owed_to_a_syncer_that_died_are_not_waited_for_on_the_next_connec
     is not waited for, and DONE goes to the new one at once."""
     s, link, clock, _ = lagging_syncer()
     assert s.rounds_owed() == 2
-    started = clock.now
 
-    def syncer() -> None:
+    def restart() -> None:
         if link.generation == 1:  # the syncer dies while the island waits for its rounds, and restarts
             link.lose()
             link.connect()
-        elif any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
-            link.final(0, 1, torch.zeros(2))
-            link.final(1, 1, torch.zeros(2))
 
-    link.on_wait = syncer
-    assert s.finish()
-    assert clock.now - started < 1.0 and len(link.jobs) == 2 and link.sent[0] == Done(8)
+    assert finish_timed(s, link, clock, restart) < 1.0 and len(link.jobs) == 2 and link.sent[0] == Done(8)
 
 
 def test_an_island_owed_rounds_by_a_syncer_that_launches_none_gives_up_after_a_few_rounds_time() -> None:
@@ -630,13 +635,5 @@ def test_an_island_owed_rounds_by_a_syncer_that_launches_none_gives_up_after_a_f
     its patience, not half the final timeout."""
     s, link, clock, _ = lagging_syncer()
     assert s.rounds_owed() == 2
-    started = clock.now
-
-    def syncer() -> None:
-        if any(isinstance(m, Done) for m in link.sent) and not s.final_ready:
-            link.final(0, 1, torch.zeros(2))
-            link.final(1, 1, torch.zeros(2))
-
-    link.on_wait = syncer
-    assert s.finish()
-    assert OWED_ROUND_PATIENCE_S <= clock.now - started < OWED_ROUND_PATIENCE_S + 1.0 and len(link.jobs) == 2
+    took = finish_timed(s, link, clock)
+    assert OWED_ROUND_PATIENCE_S <= took < OWED_ROUND_PATIENCE_S + 1.0 and len(link.jobs) == 2
