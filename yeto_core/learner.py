@@ -441,7 +441,7 @@ class LearnerSession:
         on_link = self.sync.links
         catching_up = self._generation is not None and self.rounds_owed() > 0
         patience = max(OWED_ROUND_PATIENCE_S, 4 * self.boundary_every * (self._step_s or 0.0))
-        progress = (self.sync.latest_round, self.clock())  # the last round seen, and when it was first seen
+        seen_round, seen_at = self.sync.latest_round, self.clock()  # the last round seen, and when it first was
         if catching_up:
             log.info("learner %d: %d rounds its steps reached are not answered yet (the syncer's rounds lag); "
                      "answering them before DONE", s.learner_id, self.rounds_owed())
@@ -453,10 +453,10 @@ class LearnerSession:
                     log.warning("learner %d: the last steps of some fragments were not merged in time; asking for "
                                 "the final cut without them", s.learner_id)
                 flushing = False
-            if self.sync.latest_round != progress[0]:
-                progress = (self.sync.latest_round, self.clock())
+            if self.sync.latest_round != seen_round:
+                seen_round, seen_at = self.sync.latest_round, self.clock()
             if catching_up and (not self.rounds_owed() or self.sync.links != on_link or self._generation is None
-                                or self.clock() > min(progress[1] + patience, started + s.final_timeout_s / 2)):
+                                or self.clock() > min(seen_at + patience, started + s.final_timeout_s / 2)):
                 if self.rounds_owed() and self.sync.links == on_link:
                     log.warning("learner %d: the syncer did not reach this island's last rounds in time; asking "
                                 "for the final cut without them", s.learner_id)
