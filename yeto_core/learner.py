@@ -7,12 +7,13 @@ once per optimizer step. The session never blocks a step on the network:
 * **Anchors.** For every fragment the session keeps the f32 global value it last installed
   (the anchor) and that value's version. A push carries d = θ − anchor, never θ itself, plus
   the tokens and steps trained since the anchor (the syncer weights learners by tokens²/steps).
-* **Schedule.** The syncer PULLs fragments round by round; the session answers at its
-  boundaries, one every max(1, H // P) steps (streaming DiLoCo), gathering one fragment per
-  boundary. H and P are the syncer's: its CHALLENGE announces them, and a learner setting that
-  disagrees is refused at the handshake rather than followed. A pull waits while a push is still
-  streaming or while the fragment's anchor is older than the version the pull names (its BCAST
-  has not been installed yet).
+* **Schedule.** The syncer PULLs fragments round by round, one round per H/P steps of the
+  fleet (streaming DiLoCo); the session answers each at the first step after it arrives
+  (`answer_on_arrival`), or at its own boundaries, one every max(1, H // P) steps, gathering one
+  fragment per answer. H and P are the syncer's: its CHALLENGE announces them, and a learner
+  setting that disagrees is refused at the handshake rather than followed. A pull waits while a
+  push is still streaming or while the fragment's anchor is older than the version the pull
+  names (its BCAST has not been installed yet).
 * **Background sender.** The delta is computed on the training thread (one memory pass); the
   link's sender thread encodes and streams it.
 * **Sans-I/O.** The session owns no socket, thread or wall clock: it talks to the syncer
@@ -377,11 +378,21 @@ class LearnerSession:
         self.consensus.after_installs(self.stats.installs, sum(f.version for f in self.fragments if f.version > 0),
                                       self.stats.steps, self.link.send_probe)
         # Boundaries follow the syncer's schedule: none before its first CHALLENGE announced it.
-        if self.layout is not None and self.stats.steps % self.boundary_every == 0:
+        if self.layout is not None and (self.stats.steps % self.boundary_every == 0 or self._answers_on_arrival):
             if self.settings.lockstep:  # every boundary answers one round
                 self._lockstep_wait(self.sync.pull_answerable, f"a pull to answer at step {self.stats.steps}")
             self._boundary()
         return False
+
+    @property
+    def _answers_on_arrival(self) -> bool:
+        """Whether every step is a boundary (`answer_on_arrival`): a syncer that paces its rounds by
+        steps already spaces them H/P steps of the fleet apart, and an island that waits for its own
+        next boundary adds up to H/P steps to each round's quorum and to every member's round trip.
+        Never in lockstep (its schedule is the boundaries) or under a syncer that does not pace by
+        steps (there the boundaries are the only pace)."""
+        s = self.settings
+        return s.answer_on_arrival and self._paced and not s.lockstep and not s.sweeps
 
     def _boundary(self) -> None:
         job = self.sync.boundary(self._step_s)
@@ -404,11 +415,17 @@ class LearnerSession:
         longer than a round (the first merge, a slow first push) leaves it a few rounds behind for
         the rest of the run; an island that said DONE then would lose each lagging fragment's last
         round of training. More than P behind is an island ahead of its fleet's pace (a faster one
-        beside a slower), which the syncer rightly does not follow: nothing is owed then."""
+        beside a slower), which the syncer rightly does not follow: nothing is owed then.
+
+        Answering on arrival, round r is answered about r·H/P steps in (the syncer's pace counts
+        from its first launch, at the initial cut), a boundary's steps sooner than at the
+        boundaries, (r + 1)·H/P; so one more round is due, or every fragment would end with
+        H/P − 1 more steps that no round carries than the boundaries leave it."""
         s = self.settings
         if not self._paced or self.layout is None or s.lockstep or s.sweeps or s.final_flush:
             return 0
-        due = self.stats.steps // self.boundary_every  # rounds 0 .. due - 1 had their boundary here
+        # rounds 0 .. due - 1 had their boundary here, or were launched by now answering on arrival
+        due = self.stats.steps // self.boundary_every + int(self._answers_on_arrival)
         behind = due - 1 - self.sync.latest_round
         if behind > self.layout.num_fragments:
             return 0

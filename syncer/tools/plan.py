@@ -7,10 +7,11 @@ each side holds `plan_memory.py`; `syncer/tools/plan_cli.py` reads models and li
 Every number follows the code it names; docs/planner.md states the formulas and the validation
 against measured runs.
 
-Time model of one round (DESIGN §3.2, §4.5). Round r merges fragment r mod P. Island i answers
-one PULL per boundary, a boundary every max(1, H // P) steps (`LearnerSession.boundary_every`),
-with one push in flight at a time, and it receives every broadcast; so it can answer at most one
-round per c_i = max(boundary_i, upload_i, download_i). The syncer launches one round per
+Time model of one round (DESIGN §3.2, §4.5). Round r merges fragment r mod P. Island i trains a
+boundary's steps per round, max(1, H // P) (`LearnerSession.boundary_every`), answers a PULL at its
+next step (`answer_on_arrival`; at its next boundary without), with one push in flight at a time,
+and it receives every broadcast; so it can answer at most one round per c_i = max(boundary_i,
+upload_i, download_i). The syncer launches one round per
 (H/P)·median step time (`rounds.round_interval`, polled every 20 ms while throttled:
 `SyncerProtocol.wakeup`), keeps at most `pipeline` rounds uncommitted, merges one round at a time
 on its coordinator, and a round commits with K answers (plus grace for slower members). So the
@@ -122,6 +123,7 @@ class Setup:
     grace_tau: float = 2.0
     tcp_efficiency: float = MSS / ETHERNET_FRAME  # TCP payload per line byte at MTU 1500
     share_momentum: bool = False  # YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry their fragment's moment
+    answer_on_arrival: bool = True  # YETO_DILOCO_ANSWER_ON_ARRIVAL: a PULL waits for the next step, not boundary
 
 
 @dataclass(frozen=True)
@@ -289,7 +291,9 @@ def _predict(setup: Setup, choice: Choice, sizes: Sequence[int] | None = None) -
         # a round's PULLs leave right after the broadcasts of the commit that made room for it, so
         # they queue behind them on the downlink's bottleneck, for at most its standing queue
         pull_wait = min(setup.queue_s, max(down[kth], syncer_out))
-        quorum_at = setup.rtt_s + pull_wait + boundary[kth] / 2 + upload
+        # a PULL waits for the island's next step (on arrival) or its next boundary, half of one on average
+        answer_wait = islands[kth].step_s if setup.answer_on_arrival else boundary[kth]
+        quorum_at = setup.rtt_s + pull_wait + answer_wait / 2 + upload
         grace = 0.0
         # a member that misses rounds is waited for, unless it is more than τ× slower than the fleet
         # (rounds.grace_window)

@@ -217,7 +217,7 @@ def lock_step(s: LearnerSession, store: ProcessGroupStore, step: int, every: int
 def mode_train(rank: int, world: int) -> None:
     model, target = build(world)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    settings = load_settings(LearnerSettings, sync_interval=6, merge_alpha=0.0)
+    settings = load_settings(LearnerSettings, sync_interval=6, merge_alpha=0.0, answer_on_arrival=False)
     store = ProcessGroupStore(list(model.named_parameters()), island=settings.island)
     session = LearnerSession(settings, store=store) if rank == 0 else None
     store.run((lambda: session.start()) if session is not None else None)  # type: ignore[union-attr]

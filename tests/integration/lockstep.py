@@ -34,6 +34,10 @@ from mlp import small_mlp
 from yeto_core.client import PushJob
 from yeto_core.learner import LearnerSession
 
+BOUNDARIES = {"answer_on_arrival": False}
+"""What the driver's islands are built with: it steps them to the boundaries' schedule, round k
+answered at step (k + 1)·H/P, which a learner answering on arrival (the default) runs ahead of."""
+
 
 class SeededIsland(Island):
     """An `Island` whose batches come from its own generator, not torch's global one."""
@@ -89,6 +93,8 @@ def lock_step(syncer: Syncer, islands: Sequence[Island], timeout: float, *, faul
     so a pipelined syncer (`--pipeline 2`) is seen with two rounds in flight whatever the timing.
     Returns the most PULLs ever pending at once on one island (above 1 only when rounds overlapped).
     """
+    if any(i.session.settings.answer_on_arrival for i in islands):
+        raise ValueError("the lock-step driver schedules boundaries: build its islands with **BOUNDARIES")
     most = 0
     threads = [threading.Thread(target=i.start) for i in islands]
     for t in threads:

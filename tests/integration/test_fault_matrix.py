@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Procs, Syncer, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
-from lockstep import SeededIsland, lock_step
+from lockstep import BOUNDARIES, SeededIsland, lock_step
 
 from syncer.durability.checkpoint import load_checkpoint, tokens_by_learner
 
@@ -85,7 +85,8 @@ def run(procs: Procs, key_file: Path, fault: str | None) -> dict[str, Any]:
     first = start_syncer(procs, key_file=key_file, tape_name=f"{tag}-1.jsonl",
                          env={"YETO_FAULT": fault} if fault else None, **common)
     restarter = Restarter(procs, key_file, first, common, f"{tag}-2.jsonl") if fault else None
-    islands = [SeededIsland(first, key_file, lid, model=wide_model, in_features=32) for lid in range(LEARNERS)]
+    islands = [SeededIsland(first, key_file, lid, model=wide_model, in_features=32, **BOUNDARIES)
+               for lid in range(LEARNERS)]
     try:
         try:
             lock_step(first, islands, timeout=60, faults=fault is not None)

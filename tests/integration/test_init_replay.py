@@ -35,7 +35,7 @@ from conftest import (
     syncer_exit_code,
     wait_until,
 )
-from lockstep import lock_step
+from lockstep import BOUNDARIES, lock_step
 
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
@@ -98,7 +98,7 @@ class WideIsland:
         self.initial = {k: v.detach().clone() for k, v in self.model.named_parameters()}
         config = load_settings(LearnerSettings, syncer=syncer.address, key_file=key_file, learner_id=0,
                                data_streams=1, sync_interval=8, init_timeout_s=60, final_timeout_s=60,
-                               reconnect_max_s=1, connect_timeout_s=10)
+                               reconnect_max_s=1, connect_timeout_s=10, **BOUNDARIES)
         self.session = LearnerSession(config, list(self.model.named_parameters()))
         self.finished = False
 

@@ -29,7 +29,7 @@ from conftest import (
     syncer_exit_code,
     wait_until,
 )
-from lockstep import lock_step
+from lockstep import BOUNDARIES, lock_step
 
 pytestmark = pytest.mark.integration
 
@@ -229,7 +229,7 @@ def deterministic_run(procs: Procs, key_file: Path, tag: str, *, learners: int, 
                           extra=["--pipeline", str(pipeline), "--merge-threads", str(merge_threads),
                                  "--device", "cpu", "--final-timeout-s", "30"])
     assert syncer.checkpoint is not None
-    islands = [Island(syncer, key_file, lid) for lid in range(learners)]
+    islands = [Island(syncer, key_file, lid, **BOUNDARIES) for lid in range(learners)]
     try:
         most_pulls = lock_step(syncer, islands, timeout=25, overlap_until=total if pipeline > 1 else 0)
         assert_matches_checkpoint(islands, syncer.checkpoint)

@@ -25,7 +25,7 @@ from conftest import (
     start_syncer,
     syncer_exit_code,
 )
-from lockstep import SeededIsland, lock_step
+from lockstep import BOUNDARIES, SeededIsland, lock_step
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +107,7 @@ def two_island_run(procs: Procs, key_file: Path, tag: str, *, stall: bool) -> tu
     assert syncer.checkpoint is not None
     proxy = StallingProxy(("127.0.0.1", syncer.port))
     routes = [syncer, dataclasses.replace(syncer, port=proxy.port)]
-    islands = [SeededIsland(routes[lid], key_file, lid, data_streams=1, wan_stall_timeout_s=STALL_S)
+    islands = [SeededIsland(routes[lid], key_file, lid, data_streams=1, wan_stall_timeout_s=STALL_S, **BOUNDARIES)
                for lid in range(2)]
     stall_step = (STALLED_ROUND + 1) * islands[1].session.sync_interval // 4
 

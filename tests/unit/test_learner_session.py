@@ -540,7 +540,8 @@ def lagging_syncer() -> tuple[LearnerSession, MemoryLink, FakeClock, tuple[torch
     """Two fragments at H = 4 (a boundary every 2 steps), 8 steps trained: this island's steps reached
     rounds 0-3, and its syncer, which started late, launched only rounds 0 and 1."""
     a, b = torch.zeros(2), torch.zeros(2)
-    s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=None, final_timeout_s=100)
+    s, link, clock, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=None, final_timeout_s=100,
+                                 answer_on_arrival=False)
     link.sync_interval = 4  # the syncer paces rounds by steps
     link.bcast(0, 0, 0, torch.zeros(2))
     link.bcast(1, 0, 0, torch.zeros(2))
@@ -637,3 +638,63 @@ def test_an_island_owed_rounds_by_a_syncer_that_launches_none_gives_up_after_a_f
     assert s.rounds_owed() == 2
     took = finish_timed(s, link, clock)
     assert OWED_ROUND_PATIENCE_S <= took < OWED_ROUND_PATIENCE_S + 1.0 and len(link.jobs) == 2
+
+
+@pytest.mark.parametrize("on_arrival", [False, True])
+def test_a_pull_is_answered_at_the_next_step_on_arrival_or_at_the_next_boundary(on_arrival: bool) -> None:
+    """H = 8 over two fragments (a boundary every 4 steps) under a syncer that paces by steps: a PULL
+    that lands after step 1 waits for step 4 at the boundaries, and goes at step 2 on arrival."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=None, answer_on_arrival=on_arrival)
+    link.sync_interval = 8
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    answered_at = []
+    for step in range(1, 9):
+        a.add_(1.0)
+        s.step(tokens=1)
+        if step == 1:
+            link.pull(0, 0, 0)
+        answered_at += [step] * (len(link.jobs) - len(answered_at))
+    assert answered_at == ([2] if on_arrival else [4])
+    assert link.jobs[0].steps == answered_at[0] and torch.equal(link.jobs[0].delta[:2], torch.full((2,), 2.0 if
+                                                                                                  on_arrival else 4.0))
+
+
+def test_lockstep_and_an_unpaced_syncer_keep_the_boundaries_even_on_arrival() -> None:
+    for settings, paced in (({"lockstep": True, "lockstep_timeout_s": 1}, True), ({}, False)):
+        w = torch.zeros(2)
+        s, link, _, _ = hand_fed([("w", w)], fragments=1, sync_interval=None, answer_on_arrival=True, **settings)
+        if paced:
+            link.sync_interval = 4
+        link.bcast(0, 0, 0, torch.zeros(2))
+        s.start()
+        s.step(tokens=1)
+        link.pull(0, 0, 0)
+        s.step(tokens=1)
+        s.step(tokens=1)
+        assert link.jobs == [], settings  # the boundary is step 4 (H = 4, or the learner's own H)
+
+
+def test_answering_on_arrival_one_more_round_is_owed_at_the_end() -> None:
+    """Answering on arrival, round r goes out about r·H/P steps in rather than (r + 1)·H/P: after 8
+    steps at H = 4 over two fragments, rounds 0-4 are due, not 0-3, so each fragment's last steps
+    reach a round as they would at the boundaries."""
+    a, b = torch.zeros(2), torch.zeros(2)
+    s, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=None, final_timeout_s=100)
+    link.sync_interval = 4
+    link.bcast(0, 0, 0, torch.zeros(2))
+    link.bcast(1, 0, 0, torch.zeros(2))
+    s.start()
+    for step in range(1, 9):
+        if step in (1, 3, 5, 7):  # the syncer launches round r when the fleet is about r·2 steps in
+            r = step // 2
+            link.pull(r, r % 2, r // 2)
+        if step in (2, 4, 6):
+            r = step // 2 - 1
+            link.bcast(r % 2, r // 2 + 1, r, torch.zeros(2), merged=True)
+        a.add_(1.0)
+        s.step(tokens=1)
+    assert [j.pull.round for j in link.jobs] == [0, 1, 2, 3]
+    assert s.rounds_owed() == 1  # round 4, which a fleet at step 8 is launched
