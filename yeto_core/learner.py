@@ -417,15 +417,13 @@ class LearnerSession:
         round of training. More than P behind is an island ahead of its fleet's pace (a faster one
         beside a slower), which the syncer rightly does not follow: nothing is owed then.
 
-        Answering on arrival, round r is answered about r·H/P steps in (the syncer's pace counts
-        from its first launch, at the initial cut), a boundary's steps sooner than at the
-        boundaries, (r + 1)·H/P; so one more round is due, or every fragment would end with
-        H/P − 1 more steps that no round carries than the boundaries leave it."""
+        (Answering on arrival, round r goes out about r·H/P steps in rather than (r + 1)·H/P, so
+        each fragment ends with up to H/P − 1 more steps that no round carries. Owing one more
+        round for them was measured and lost in four of five cells: LEARNING.md.)"""
         s = self.settings
         if not self._paced or self.layout is None or s.lockstep or s.sweeps or s.final_flush:
             return 0
-        # rounds 0 .. due - 1 had their boundary here, or were launched by now answering on arrival
-        due = self.stats.steps // self.boundary_every + int(self._answers_on_arrival)
+        due = self.stats.steps // self.boundary_every  # rounds 0 .. due - 1 had their boundary here
         behind = due - 1 - self.sync.latest_round
         if behind > self.layout.num_fragments:
             return 0

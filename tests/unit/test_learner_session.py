@@ -676,25 +676,3 @@ def test_lockstep_and_an_unpaced_syncer_keep_the_boundaries_even_on_arrival() ->
         s.step(tokens=1)
         assert link.jobs == [], settings  # the boundary is step 4 (H = 4, or the learner's own H)
 
-
-def test_answering_on_arrival_one_more_round_is_owed_at_the_end() -> None:
-    """Answering on arrival, round r goes out about r·H/P steps in rather than (r + 1)·H/P: after 8
-    steps at H = 4 over two fragments, rounds 0-4 are due, not 0-3, so each fragment's last steps
-    reach a round as they would at the boundaries."""
-    a, b = torch.zeros(2), torch.zeros(2)
-    s, link, _, _ = hand_fed([("a", a), ("b", b)], fragments=2, sync_interval=None, final_timeout_s=100)
-    link.sync_interval = 4
-    link.bcast(0, 0, 0, torch.zeros(2))
-    link.bcast(1, 0, 0, torch.zeros(2))
-    s.start()
-    for step in range(1, 9):
-        if step in (1, 3, 5, 7):  # the syncer launches round r when the fleet is about r·2 steps in
-            r = step // 2
-            link.pull(r, r % 2, r // 2)
-        if step in (2, 4, 6):
-            r = step // 2 - 1
-            link.bcast(r % 2, r // 2 + 1, r, torch.zeros(2), merged=True)
-        a.add_(1.0)
-        s.step(tokens=1)
-    assert [j.pull.round for j in link.jobs] == [0, 1, 2, 3]
-    assert s.rounds_owed() == 1  # round 4, which a fleet at step 8 is launched
