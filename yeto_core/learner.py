@@ -419,7 +419,7 @@ class LearnerSession:
 
         (Answering on arrival, round r goes out about r·H/P steps in rather than (r + 1)·H/P, so
         each fragment ends with up to H/P − 1 more steps that no round carries. Owing one more
-        round for them was measured and lost in four of five cells: LEARNING.md.)"""
+        round for them was measured and lost in five cells of six: LEARNING.md.)"""
         s = self.settings
         if not self._paced or self.layout is None or s.lockstep or s.sweeps or s.final_flush:
             return 0
