@@ -8,9 +8,9 @@ once per optimizer step. The session never blocks a step on the network:
   (the anchor) and that value's version. A push carries d = θ − anchor, never θ itself, plus
   the tokens and steps trained since the anchor (the syncer weights learners by tokens²/steps).
 * **Schedule.** The syncer PULLs fragments round by round, one round per H/P steps of the
-  fleet (streaming DiLoCo); the session answers each at the first step after it arrives
-  (`answer_on_arrival`), or at its own boundaries, one every max(1, H // P) steps, gathering one
-  fragment per answer. H and P are the syncer's: its CHALLENGE announces them, and a learner
+  fleet (streaming DiLoCo); the session answers each at its own boundaries, one every
+  max(1, H // P) steps, or with `answer_on_arrival` at the first step after it arrives, gathering
+  one fragment per answer. H and P are the syncer's: its CHALLENGE announces them, and a learner
   setting that disagrees is refused at the handshake rather than followed. A pull waits while a
   push is still streaming or while the fragment's anchor is older than the version the pull
   names (its BCAST has not been installed yet).

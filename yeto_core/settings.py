@@ -194,7 +194,7 @@ class LearnerSettings(FlatSettings):
                                  "and take the fleet's average into them with the broadcast, so the islands' next "
                                  "steps start from one direction; about 4.25 bits per value of the fragment more "
                                  "each way per round")
-    answer_on_arrival: bool = Field(default=True, description="under a syncer that paces rounds by steps, "
+    answer_on_arrival: bool = Field(default=False, description="under a syncer that paces rounds by steps, "
                                     "answer a PULL at the first step after it arrives rather than at this island's "
                                     "next boundary (every H/P steps): the round's quorum forms sooner and its merge "
                                     "lands fewer steps after the push (lockstep keeps its boundaries)")

@@ -123,7 +123,7 @@ class Setup:
     grace_tau: float = 2.0
     tcp_efficiency: float = MSS / ETHERNET_FRAME  # TCP payload per line byte at MTU 1500
     share_momentum: bool = False  # YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry their fragment's moment
-    answer_on_arrival: bool = True  # YETO_DILOCO_ANSWER_ON_ARRIVAL: a PULL waits for the next step, not boundary
+    answer_on_arrival: bool = False  # YETO_DILOCO_ANSWER_ON_ARRIVAL: a PULL waits for the next step, not boundary
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
     islands = tuple(Island(u, d, s) for u, d, s in zip(ups, downs, steps, strict=True))
     setup = Setup(model, islands, quorum, host, pattern=args.pattern, block=args.push_block, rtt_s=args.rtt_ms / 1000,
                   queue_s=args.queue_ms / 1000, tcp_efficiency=eff, share_momentum=args.share_momentum,
-                  answer_on_arrival=not args.at_boundaries)
+                  answer_on_arrival=args.on_arrival)
     args.measured = measured  # printed with the plan
     return setup
 
@@ -338,8 +338,8 @@ def parser() -> argparse.ArgumentParser:
     choice.add_argument("--push-block", type=int, default=128, help="values per scale of the quantized codecs")
     choice.add_argument("--share-momentum", action="store_true",
                         help="YETO_DILOCO_SHARE_MOMENTUM: pushes and broadcasts carry their fragment's moment")
-    choice.add_argument("--at-boundaries", action="store_true",
-                        help="YETO_DILOCO_ANSWER_ON_ARRIVAL=false: learners answer PULLs at their boundaries")
+    choice.add_argument("--on-arrival", action="store_true",
+                        help="YETO_DILOCO_ANSWER_ON_ARRIVAL=true: learners answer a PULL at the step after it arrives")
     choice.add_argument("--target-utilization", type=float, default=0.95, help="compute / round time to reach")
     choice.add_argument("--min-h", type=int, default=24, help="smallest H considered (24: yeto's default)")
     choice.add_argument("--max-h", type=int, default=4096, help="largest H considered")
