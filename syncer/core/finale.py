@@ -1,6 +1,7 @@
 """The end of a run (DESIGN §4.7): abandon the rounds in flight, make the final state durable, send
 the final cut to every learner, and wait, until `--final-timeout-s`, for the learners that should
-get it: those connected, and those that trained and lost their link without saying goodbye.
+get it: those connected, those that lost their link after a FINAL or DONE without the goodbye
+that confirms the cut, and those that trained and left while training.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Finale:
 
     def wait_over(self, now: float) -> bool:
         """Whether finalizing is over: every learner that may still want the cut has it, or the
-        deadline passed (a learner that trained and lost its link may come back until then)."""
+        deadline passed (a learner that lost its link may come back for the cut until then)."""
         waiting = self.shared.lives.waited_for()
         if waiting and now <= self.deadline:
             return False

@@ -13,9 +13,10 @@ A join (a redial, a restarted process) starts it TRAINING again from any state; 
 every connected learner at once (one that already said goodbye stays QUIT). Whom the run waits
 for follows from the states alone: rounds wait for TRAINING learners; finalization waits
 `--rejoin-wait-s` for AWAY ones (they may come back to train); a finalizing syncer waits, until
-its deadline, for every learner not HAS_CUT or QUIT, away only if it trained (pushed, finished,
-or named by a resumed checkpoint; only the goodbye a learner says once it installed the cut
-proves it arrived). Quorums stop counting on a learner once it said DONE.
+its deadline, for every learner not HAS_CUT or QUIT: AWAY only if it trained (pushed, finished,
+or named by a resumed checkpoint), LOST always, since only the goodbye a learner says once it
+installed the cut proves it arrived, and a FINAL handed to a link that had died unnoticed looks
+sent. Quorums stop counting on a learner once it said DONE.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class LearnerLife:
     # count on it, whatever it does next (a goodbye, a lost link).
     done: bool = False
     # It pushed (or finished, or a resumed checkpoint names it): a finalizing syncer waits for it
-    # to come back for the cut. A peer that only connected is not waited for, though it gets the
-    # cut if it comes back while the syncer finalizes.
+    # to come back for the cut. A peer that only connected and left while training is not waited
+    # for, though it gets the cut if it comes back while the syncer finalizes.
     trained: bool = False
 
     def move(self, to: Life, now: float, learner_id: int) -> None:
@@ -120,8 +121,8 @@ class Lives:
         return {lid: life.since for lid, life in self.by_id.items() if life.state is Life.AWAY}
 
     def waited_for(self) -> list[int]:
-        """Whom a finalizing syncer still waits for: the connected ones without the cut, and those
-        away or lost that trained."""
+        """Whom a finalizing syncer still waits for: the connected ones without the cut, those lost
+        after a FINAL or DONE without the goodbye, and those away that trained."""
         return sorted(lid for lid, life in self.by_id.items() if life.state in WAITED_FOR
-                      and (life.trained or life.state not in (Life.AWAY, Life.LOST)))
+                      and (life.trained or life.state is not Life.AWAY))
 

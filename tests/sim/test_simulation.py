@@ -62,6 +62,7 @@ def test_the_seeds_draw_every_fault() -> None:
     assert {sc.learner["wire_dtype"] for sc in scenarios} == {"f32", "bf16", "int8", "int4", "e3m0"}
     assert any(sc.learner["lockstep"] for sc in scenarios) and any(sc.learner["bcast_delta"] for sc in scenarios)
     assert any(sc.syncer["total_rounds"] for sc in scenarios)
+    assert {sc.learner["answer_on_arrival"] for sc in scenarios} == {True, False}
 
 
 def test_a_ledger_that_counts_a_push_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,18 +24,29 @@ def test_a_learner_that_trains_to_the_end_and_confirms_the_cut() -> None:
 
 def test_leaving_without_a_goodbye_is_away_while_training_and_lost_after() -> None:
     lives = Lives()
-    for lid in (0, 1, 2):
+    for lid in (0, 1, 2, 3):
         lives.joined(lid, 0.0)
+    lives[1].done = True
     lives.move(1, Life.FINISHED, 1.0)
     lives.move(2, Life.FINISHED, 1.0)
     lives.move(2, Life.CUT_SENT, 2.0)
-    lives[0].trained = lives[2].trained = True  # learner 1 only connected: it pushed nothing
-    for lid in (0, 1, 2):
+    lives[0].trained = lives[1].trained = lives[2].trained = True  # learner 3 only connected: it pushed nothing
+    for lid in (0, 1, 2, 3):
         lives.left(lid, 5.0, trained=True)
-    assert [lives.get(lid) for lid in (0, 1, 2)] == [Life.AWAY, Life.LOST, Life.LOST]
-    assert lives.away() == {0: 5.0} and lives.waited_for() == [0, 2]
-    lives.joined(1, 6.0)
-    assert lives.waited_for() == [0, 1, 2]  # connected again: it gets the cut like anyone
+    assert [lives.get(lid) for lid in (0, 1, 2, 3)] == [Life.AWAY, Life.LOST, Life.LOST, Life.AWAY]
+    assert lives.away() == {0: 5.0, 3: 5.0} and lives.waited_for() == [0, 1, 2]
+    lives.joined(3, 6.0)
+    assert lives.waited_for() == [0, 1, 2, 3]  # connected again: it gets the cut like anyone
+
+
+def test_a_final_cut_sent_into_a_dead_link_is_waited_for_even_from_a_learner_that_never_pushed() -> None:
+    # Its link died unnoticed before any push got through; the syncer finalized and handed it the
+    # FINAL, which looked sent. Until its goodbye it may be training on, and will redial for the cut.
+    lives = Lives()
+    lives.joined(2, 0.0)
+    lives.move(2, Life.CUT_SENT, 3.0)
+    lives.left(2, 4.0, trained=True)
+    assert lives.get(2) is Life.LOST and not lives[2].trained and lives.waited_for() == [2]
 
 
 def test_a_goodbye_ends_the_wait_for_a_learner_and_a_join_starts_it_over() -> None:
