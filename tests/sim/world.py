@@ -112,7 +112,7 @@ class Scenario:
         latency = {"base_s": rng.uniform(0.0005, 0.05), "jitter_s": rng.uniform(0.0, 0.05),
                    "bytes_per_s": rng.choice([1e4, 1e5, 1e7])}
         # Drawn last, so every other draw of a seed is what it was before this setting existed.
-        learner["answer_on_arrival"] = rng.random() < 0.7  # both rules; the rest answer at their boundaries
+        learner["answer_on_arrival"] = rng.random() < 0.7  # most answer on arrival, the rest at their boundaries
         return cls(seed, m, p, h, steps, step_s, syncer, learner, latency, sorted(faults, key=lambda f: f.at))
 
 
