@@ -324,6 +324,7 @@ class _StampedCodec:
         self._inner = inner
         self._learner = learner
         self.name, self.wire_id = inner.name, inner.wire_id
+        self.block = getattr(inner, "block", 0)  # a quantized codec's block size is part of the handshake
 
     def encoded_nbytes(self, numel: int) -> int:
         return int(self._inner.encoded_nbytes(numel))
@@ -341,15 +342,17 @@ class Learner:
     """`SyncerClient` (learner 0 by default, the one that uploads INIT) plus stamps at submit, at send
     completion and at INIT start."""
 
-    def __init__(self, port: int, key: bytes, layout: Any, init: list[Any], streams: int, learner_id: int = 0) -> None:
+    def __init__(self, port: int, key: bytes, layout: Any, init: list[Any], streams: int, learner_id: int = 0,
+                 codec: str = "f32") -> None:
         from yeto_core.client import SyncerClient
+        from yeto_core.codecs import codec_by_name
         from yeto_core.sections import Endpoint, LinkSettings
 
         self.layout = layout
         self.init_started: float | None = None
         self.sent_at: dict[int, float] = {}
         client = SyncerClient(Endpoint(("127.0.0.1", port), key, learner_id), LinkSettings(data_streams=streams),
-                              sends_init=learner_id == 0)
+                              codec=codec_by_name(codec), sends_init=learner_id == 0)
         self.init = init
         pusher = client._pusher
         orig_ask_init, orig_send_push = client._init.ask, pusher._send

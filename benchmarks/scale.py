@@ -120,9 +120,13 @@ def wire_times(model_bytes: int, m: int, args: argparse.Namespace, raw: RawLoopb
                key: bytes, key_file: Path) -> dict[str, Any]:
     """One syncer, M learners: INIT, `--rounds` rounds of M pushes each, their fan-outs, the syncer's peak RSS."""
     from yeto_core.client import PushJob
+    from yeto_core.codecs import codec_by_name
 
     layout, init, delta = _synthetic_model(model_bytes // MIB, args.fragments)
-    push_bytes = delta.numel() * 4
+    codec = codec_by_name(args.codec)
+    push_bytes = codec.encoded_nbytes(delta.numel())  # the raw baseline sends what a push does
+    if args.codec != "f32":  # compile the codec's loops now: a push times its encode, not its compiler
+        codec.encode(delta[:4096].contiguous(), memoryview(bytearray(codec.encoded_nbytes(4096))))
     times: dict[str, list[float]] = {k: [] for k in ("push", "raw_push", "fanout", "raw_fanout", "merge_tape",
                                                      "push_cold", "fanout_cold")}
     times["raw_init"] = [raw.transfer(model_bytes)]
@@ -130,7 +134,8 @@ def wire_times(model_bytes: int, m: int, args: argparse.Namespace, raw: RawLoopb
     learners: list[Learner] = []
     try:
         for i in range(m):
-            learners.append(Learner(syncer.port, key, layout, init if i == 0 else [], args.streams, learner_id=i))
+            learners.append(Learner(syncer.port, key, layout, init if i == 0 else [], args.streams, learner_id=i,
+                                    codec=args.codec))
             learners[-1].start()
         p = layout.num_fragments
         _pump_all(learners, [lambda lr=lr: len(lr.bcast_versions) == p and bool(lr.pulls) for lr in learners],
@@ -172,7 +177,7 @@ def wire_times(model_bytes: int, m: int, args: argparse.Namespace, raw: RawLoopb
             times["fanout" if warm else "fanout_cold"].append(fanout)
             times["merge_tape"].append(commit["merge_ms"] / 1e3)
             time.sleep(0.05)
-            times["raw_fanout"].append(raw.transfer(m * push_bytes))
+            times["raw_fanout"].append(raw.transfer(m * delta.numel() * 4))  # broadcasts are f32
         steady_rounds(learners, syncer, delta, args.fragments)
         peak = rss_bytes(syncer.proc.pid, "VmHWM")
     finally:
@@ -252,7 +257,7 @@ def measure_size(model_bytes: int, args: argparse.Namespace, raw: RawLoopback, t
     row: dict[str, Any] = {"bytes": model_bytes, "first_touch": first_touch_s(model_bytes)}
     frag_numel = model_bytes // 4 // args.fragments
     for m in args.learners:
-        need, free = wire_bytes_needed(model_bytes, m, args.fragments), available_bytes()
+        need, free = wire_bytes_needed(model_bytes, m, args.fragments, args.codec), available_bytes()
         if need > free:
             say(f"{label(model_bytes)}, M={m}: skipped: the syncer and {m} learners in this process need about "
                 f"{need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is available")
@@ -260,7 +265,7 @@ def measure_size(model_bytes: int, args: argparse.Namespace, raw: RawLoopback, t
         workdir = tmp / f"{model_bytes // MIB}-m{m}"
         workdir.mkdir()
         wire = wire_times(model_bytes, m, args, raw, workdir, key, key_file)
-        wire["syncer_rss_planned"] = planned_memory(model_bytes, m, args.fragments)[0] / model_bytes
+        wire["syncer_rss_planned"] = planned_memory(model_bytes, m, args.fragments, args.codec)[0] / model_bytes
         merge = merge_times(frag_numel, m, args.repeat)
         row[f"m{m}"] = {**wire, **merge}
         say(f"{label(model_bytes)}, M={m}: " + ", ".join(
@@ -294,7 +299,7 @@ def release_buffers() -> None:
     RECEIVE_POOL.clear()
 
 
-def wire_bytes_needed(model_bytes: int, m: int, fragments: int) -> float:
+def wire_bytes_needed(model_bytes: int, m: int, fragments: int, codec: str = "f32") -> float:
     """What the wire phase holds at its peak, the larger of two moments, each with the M learners'
     receive buffers (two fragments each) and 1 GiB for the runtimes and the raw loopback's ring:
     the INIT, when the model learner 0 uploads from and the syncer's copy of it coexist, and the
@@ -302,7 +307,7 @@ def wire_bytes_needed(model_bytes: int, m: int, fragments: int) -> float:
     (the plan's error measured here; running out of memory would end the whole benchmark)."""
     frag = model_bytes / fragments
     beside = 2 * m * frag + (1 << 30)
-    return max(2 * model_bytes, 1.1 * planned_memory(model_bytes, m, fragments)[0]) + beside
+    return max(2 * model_bytes, 1.1 * planned_memory(model_bytes, m, fragments, codec)[0]) + beside
 
 
 def available_bytes() -> int:
@@ -312,9 +317,9 @@ def available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def planned_memory(model_bytes: int, m: int, fragments: int) -> tuple[float, float]:
+def planned_memory(model_bytes: int, m: int, fragments: int, codec: str = "f32") -> tuple[float, float]:
     """yeto-plan's syncer memory at M learners and an island's beyond its weights, for this run's
-    synthetic model, f32 both ways, the shipped pipeline (`syncer.tools.plan`)."""
+    synthetic model, pushes in `codec` and f32 broadcasts, the shipped pipeline (`syncer.tools.plan`)."""
     from benchmarks.scale_parts import synthetic_specs
     from syncer.tools.plan import (
         Choice,
@@ -331,7 +336,7 @@ def planned_memory(model_bytes: int, m: int, fragments: int) -> tuple[float, flo
     tensors = tuple(Tensor(s.name, math.prod(s.shape)) for s in synthetic_specs(model_bytes, fragments))
     model = Model("synthetic", tensors, sum(t.numel for t in tensors))
     setup = Setup(model=model, islands=(Island(1e9, 1e9, 1.0),) * m, quorum=m, host=SyncerHost(memory_bytes=1e15))
-    choice = Choice(sync_interval=fragments, codec="f32", downlink="f32", fragments=fragments, pipeline=PIPELINE)
+    choice = Choice(sync_interval=fragments, codec=codec, downlink="f32", fragments=fragments, pipeline=PIPELINE)
     sizes = fragment_params(model, fragments, "binpack")
     return syncer_memory(setup, choice, sizes).total, island_memory(choice, sizes).total
 
@@ -420,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each in-process measure, the median kept "
                     "(default 3)")
     ap.add_argument("--out", type=Path, default=Path("scale-out"), help="where JSON and the plot go")
+    ap.add_argument("--codec", default="f32", choices=["f32", "bf16", "int8", "int4", "e3m0", "int4-log"],
+                    help="the M learners' push codec (default f32, the shipped one); the raw baseline sends "
+                    "the same bytes, and the island and the in-process merges stay f32")
     ap.add_argument("--quick", action="store_true", help="4 and 16 MiB, M = 2, one round: a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
@@ -432,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_begin = time.monotonic()
     say(f"yeto at scale: sizes {', '.join(label(s) for s in args.sizes)}, M = {args.learners}, P = {args.fragments}, "
-        f"{args.streams} streams, {os.cpu_count()} cores")
+        f"{args.codec} pushes, {args.streams} streams, {os.cpu_count()} cores")
     rows: list[dict[str, Any]] = []
     raw = RawLoopback(max(args.sizes) * max(args.learners), args.streams)
     try:
@@ -480,7 +488,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, elapsed: float)
     _line("raw loopback GB/s", [r["bytes"] / c["raw_init"] / 1e9 if c else None for r, c in zip(rows, wire[m0],
                                                                                                 strict=True)])
     doc = {"sizes": [r["bytes"] for r in rows], "learners": args.learners, "fragments": args.fragments,
-           "rows": rows, "speeds": table, "slopes_per_doubling": grow, "seconds": elapsed}
+           "codec": args.codec, "rows": rows, "speeds": table, "slopes_per_doubling": grow, "seconds": elapsed}
     (args.out / "scale.json").write_text(json.dumps(doc, indent=1))
     if plot(rows, args.learners, args.out / "scale.png"):
         say(f"wrote {args.out / 'scale.json'} and {args.out / 'scale.png'}")

@@ -313,6 +313,46 @@ class QuantCodec:
             target = out[start : start + nb * b].view(nb, b)
             self._decode_blocks(rows, scale_t[first : first + nb].unsqueeze(1), target)
 
+    def decode_span(self, wire: np.ndarray, scales: np.ndarray, numel: int, start: int, stop: int) -> torch.Tensor:
+        """Values [start, stop) of a payload of `numel` values, decoded alone on the CPU: `wire`
+        and `scales` are what `checked_scales` read of it. The blocks the span touches are decoded
+        whole, so a span costs at most two blocks more than its length, and every value has the
+        bits `decode` gives it (the same per-block arithmetic)."""
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(f"{self.name} span [{start}, {stop}) is outside [0, {numel})")
+        b = self.block
+        nfull = numel // b
+        k0, k1 = start // b, -(-stop // b)
+        first = k0 * b
+        out = torch.empty(min(k1 * b, numel) - first, dtype=torch.float32)
+        stride = 4 + self._code_bytes(b)
+        values = out.numpy()
+        full_end = min(k1, nfull)
+        if full_end > k0:
+            self._decode_rows(wire[4 + k0 * stride : 4 + full_end * stride], scales[k0:full_end], b,
+                              values[: (full_end - k0) * b])
+        if k1 > nfull:  # the short last block, its own length as its block
+            self._decode_rows(wire[4 + nfull * stride :], scales[nfull:], numel - nfull * b,
+                              values[(nfull - k0) * b :])
+        return out[start - first : stop - first]
+
+    def _decode_rows(self, rows: np.ndarray, scales: np.ndarray, b: int, values: np.ndarray) -> None:
+        """Whole blocks of `b` values, their wire rows back to back in `rows`, into `values`."""
+        nb = scales.shape[0]
+        if self.compiled:
+            quant_kernels.run("decode", nb, 1, rows, b, quant_kernels.KINDS[self.name], self._table, scales, values)
+            return
+        dest = torch.from_numpy(values).view(nb, b)
+        self._decode_blocks(rows.reshape(nb, -1), torch.from_numpy(scales).unsqueeze(1), dest)
+
+    def checked_scales(self, buf: memoryview, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """The payload's bytes and its blocks' scales, for `decode_span`; raises ValueError where
+        `problem` names a problem."""
+        problem = self.problem(buf, numel)
+        if problem is not None:
+            raise ValueError(problem)
+        return self._scales(buf, numel)
+
     def _scales(self, buf: memoryview, numel: int) -> tuple[np.ndarray, np.ndarray]:
         """The payload's bytes and its blocks' scales, once its header and size are checked."""
         expected = self.encoded_nbytes(numel)

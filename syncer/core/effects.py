@@ -117,8 +117,10 @@ class Prepare:
 
 @dataclass(frozen=True, slots=True)
 class Decode:
-    """Decode a push's payload into its f32 delta on the merge device, checked finite; the delta,
-    or why it is unusable, comes back as `events.Decoded` for attempt `attempt`. A fresh
+    """Decode a push's payload into its f32 delta on the merge device, checked finite (a quantized
+    or bf16 one on a CPU merge device is held in its payload instead, its norms taken:
+    `merge/held.py`); the delta, or why it is unusable, comes back as `events.Decoded` for
+    attempt `attempt`. A fresh
     quantized push is decoded on the decode pool, off the coordinator's thread, and comes back
     whenever it is done. `inline` makes it an ask (an f32 push, whose payload the transport
     screened and a view of which is the delta; a carried push joining the fragment's open

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from syncer.merge.held import HeldDelta
 from syncer.merge.round_merge import FragmentTensors, MergeOutcome
 from yeto_core.downlink import Broadcast
 from yeto_core.wire.messages import Manifest, Message, Push
@@ -73,7 +74,7 @@ class Decoded:
     generation: int
     attempt: int
     msg: Push
-    delta: torch.Tensor | str
+    delta: torch.Tensor | HeldDelta | str  # a quantized or bf16 push is held in its payload (held.py)
     inline: bool = False
     carried: bool = False
     moment: memoryview | None = None  # the learner's optimizer first moment, when the push carried it

@@ -64,8 +64,9 @@ class PushIntake:
             self.shared.record(records.Carry(lid, msg.round, msg.fragment, msg.base_version, problem))
             self.attach_carried(msg.fragment)
             return
-        # A quantized push is dequantized and checked on the decode pool, beside this thread and off
-        # the read loops; the answer is stored when `Decoded` comes back, if its attempt is still
+        # A quantized push is checked on the decode pool, beside this thread and off the read loops
+        # (held in its wire encoding on a CPU merge device, its norms taken: `held.py`; decoded
+        # elsewhere); the answer is stored when `Decoded` comes back, if its attempt is still
         # open. An f32 one has nothing to decode, and the transport screened every chunk for NaN/Inf
         # as it landed (`payload_screen`): the shell views it at once, without the pool.
         self.shared.emit(Decode(lid, link.generation, msg.attempt, msg, payload, link.codec, inline=link.codec is F32,

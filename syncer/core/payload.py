@@ -9,7 +9,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from syncer.merge.merge import check_finite
+from syncer.merge.held import HeldDelta
+from syncer.merge.merge import Segment, check_finite
 from yeto_core.codecs import F32, Codec
 from yeto_core.layout import Layout
 from yeto_core.moments import moment_nbytes, moment_problem
@@ -56,16 +57,16 @@ def payload_screen(msg: Message) -> Callable[[memoryview], bool] | None:
     return None
 
 
-def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
-                screened: bool | None = None) -> tuple[torch.Tensor, memoryview | None] | str:
-    """The push's f32 delta and, with `PUSH_MOMENT`, the fragment's first moment that follows it,
-    checked and kept in its wire form (DESIGN §3.9); or why they cannot be used (a bad block header
-    or scale, NaN, Inf in either)."""
+def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec, screened: bool | None = None,
+                *, hold: bool = False) -> tuple[torch.Tensor | HeldDelta, memoryview | None] | str:
+    """The push's f32 delta (`hold`: kept in its wire form, `decode_delta`) and, with
+    `PUSH_MOMENT`, the fragment's first moment that follows it, checked and kept in its wire form
+    (DESIGN §3.9); or why they cannot be used (a bad block header or scale, NaN, Inf in either)."""
     if not msg.codec & PUSH_MOMENT:
-        delta = decode_delta(layout, msg, payload, codec, screened)
+        delta = decode_delta(layout, msg, payload, codec, screened, hold=hold)
         return delta if isinstance(delta, str) else (delta, None)
     cut = codec.encoded_nbytes(layout.fragments[msg.fragment].numel)
-    delta = decode_delta(layout, msg, payload[:cut], codec, screened)
+    delta = decode_delta(layout, msg, payload[:cut], codec, screened, hold=hold)
     if isinstance(delta, str):
         return delta
     moment = payload[cut:]
@@ -76,15 +77,27 @@ def decode_push(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
 
 
 def decode_delta(layout: Layout, msg: Push, payload: memoryview, codec: Codec,
-                 screened: bool | None = None) -> torch.Tensor | str:
+                 screened: bool | None = None, *, hold: bool = False) -> torch.Tensor | HeldDelta | str:
     """The push's f32 delta (one part of its payload), or why it cannot be used (a bad block
     header or scale, NaN, Inf).
 
     `screened` is the transport's verdict when `payload_screen` already checked every chunk of an
-    f32 payload for finiteness (True: all finite), None when it did not.
+    f32 payload for finiteness (True: all finite), None when it did not. `hold` (a codec that
+    `held.holds`): the delta stays in its payload until merged, checked and its tensors' norms
+    taken now, a span at a time, so no f32 copy of it is ever whole (DESIGN §10.2).
     """
     if codec is F32 and screened is False:
         return f"delta for fragment {msg.fragment} contains NaN or Inf"
+    if hold:
+        fragment = layout.fragments[msg.fragment]
+        try:
+            held = HeldDelta(codec, payload, fragment.numel)
+        except ValueError as exc:
+            return f"push for fragment {msg.fragment}: {exc}"
+        try:
+            return held.with_norms([Segment(s.offset, s.numel, rda=True) for s in fragment.slots])
+        except ValueError:
+            return f"delta for fragment {msg.fragment} contains NaN or Inf"
     if codec is F32:  # the reassembled buffer belongs to this message alone: view it, no copy
         delta = torch.frombuffer(payload, dtype=torch.float32)
         if screened:

@@ -26,8 +26,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from syncer.merge.held import HeldDelta
 
 EMA = 0.3  # weight of the newest sample in the ξ estimates
 
@@ -60,7 +64,7 @@ class Answer:
     generation: int
     tokens: int
     steps: int
-    delta: torch.Tensor  # d = θ − anchor, float32, on the merge device
+    delta: torch.Tensor | HeldDelta  # d = θ − anchor, float32 on the merge device, or its payload held
     base_version: int
     carried: bool = False
     at: float = 0.0  # when it arrived (the coordinator's clock)

@@ -66,13 +66,39 @@ _FINITE_CHUNK = 1 << 22
 _BATCHES_PER_THREAD = 4
 
 
-Rows = Sequence[torch.Tensor]
-"""A round's deltas as M 1-D float32 tensors of one length on one device; an ``[M, N]`` tensor also serves."""
+class SpanRow(Protocol):
+    """A row read a span at a time: a push held in its wire encoding (`syncer.merge.held`). Slicing
+    it gives another `SpanRow`; ``span`` gives float32 values, the same bits as decoding it whole."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+    def numel(self) -> int: ...
+
+    def dim(self) -> int: ...
+
+    def span(self, start: int, stop: int) -> torch.Tensor: ...
+
+    def __getitem__(self, window: slice) -> SpanRow: ...
 
 
-def _as_rows(name: str, deltas: torch.Tensor | Rows) -> list[torch.Tensor]:
+Row = torch.Tensor | SpanRow
+Rows = Sequence[Row]
+"""A round's deltas as M 1-D float32 rows of one length on one device (tensors, or `SpanRow`s); an
+``[M, N]`` tensor also serves."""
+
+# Values a `SpanRow` is read in where no chunk is given: a whole number of norm blocks.
+_SPAN_BLOCKS = 64
+
+
+def _span(row: Row, start: int, stop: int) -> torch.Tensor:
+    """Values [start, stop) of ``row`` as a float32 tensor (a view of a tensor row)."""
+    return row[start:stop] if isinstance(row, torch.Tensor) else row.span(start, stop)
+
+
+def _as_rows(name: str, deltas: torch.Tensor | Rows) -> list[Row]:
     """The rows of ``deltas``, checked: M >= 1 1-D float32 tensors of one length on one device."""
-    rows = list(deltas.unbind()) if isinstance(deltas, torch.Tensor) and deltas.dim() == 2 else None
+    rows: list[Row] | None = list(deltas.unbind()) if isinstance(deltas, torch.Tensor) and deltas.dim() == 2 else None
     if rows is None:
         if isinstance(deltas, torch.Tensor):
             raise ValueError(f"{name}: deltas must be a [M, n] float32 tensor or M rows, got shape "
@@ -85,12 +111,15 @@ def _as_rows(name: str, deltas: torch.Tensor | Rows) -> list[torch.Tensor]:
         if (row.dim() != 1 or row.dtype != torch.float32 or row.numel() != first.numel()
                 or row.device != first.device):
             raise ValueError(f"{name}: deltas must be M float32 rows of one length on one device; row {m} is "
-                             f"{row.dtype} {tuple(row.shape)} on {row.device}, row 0 {tuple(first.shape)} on "
-                             f"{first.device}")
+                             f"{row.dtype} {_shape(row)} on {row.device}, row 0 {_shape(first)} on {first.device}")
     return rows
 
 
-def _cols(rows: Rows, start: int, stop: int) -> list[torch.Tensor]:
+def _shape(row: Row) -> tuple[int, ...]:
+    return tuple(row.shape) if isinstance(row, torch.Tensor) else (row.numel(),)
+
+
+def _cols(rows: Rows, start: int, stop: int) -> list[Row]:
     return [row[start:stop] for row in rows]
 
 
@@ -152,7 +181,7 @@ def _row_sq_norms(rows: torch.Tensor | Rows) -> torch.Tensor:
     ``[M]`` on their device. A row that is not stride-1 is first made contiguous."""
     if isinstance(rows, torch.Tensor):
         rows = list(rows.unbind())
-    return torch.stack([_sq_norm(row) for row in rows])
+    return torch.stack([_sq_norm(row) if isinstance(row, torch.Tensor) else _span_sq_norm(row) for row in rows])
 
 
 def _sq_norm(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +200,23 @@ def _sq_norm(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _span_sq_norm(row: SpanRow) -> torch.Tensor:
+    """``_sq_norm`` of a row read a span at a time, bit for bit: the same blocks, each reduced by
+    the same call, their squares summed in one float64 sum, then the short last block."""
+    n = row.numel()
+    k = n // _NORM_BLOCK
+    body = k * _NORM_BLOCK
+    total = torch.zeros((), dtype=torch.float64, device=row.device)
+    step = _SPAN_BLOCKS * _NORM_BLOCK
+    if k:
+        squares = [torch.linalg.vector_norm(_span(row, a, min(a + step, body)).view(-1, _NORM_BLOCK), dim=1)
+                   .double().square_() for a in range(0, body, step)]
+        total = torch.cat(squares).sum()
+    if body < n:
+        total = total + torch.linalg.vector_norm(_span(row, body, n)).double().square()
+    return total
+
+
 def accurate_norm(x: torch.Tensor) -> float:
     """L2 norm of a 1-D float32 tensor, accurate to ~1e-8 relative even at 10^8 elements.
 
@@ -183,7 +229,7 @@ def accurate_norm(x: torch.Tensor) -> float:
     return math.sqrt(float(_sq_norm(x)))
 
 
-def _check_pair(name: str, deltas: torch.Tensor | Rows, weights: torch.Tensor) -> list[torch.Tensor]:
+def _check_pair(name: str, deltas: torch.Tensor | Rows, weights: torch.Tensor) -> list[Row]:
     rows = _as_rows(name, deltas)
     if weights.shape != (len(rows),):
         raise ValueError(f"{name}: {tuple(weights.shape)} weights for {len(rows)} learners")
@@ -228,9 +274,9 @@ def _combine_chunk(
     """One column chunk of ``_combine_into``: out[start:stop] = Σ_m scalars[m] · rows[m][start:stop];
     with ``norms``, the chunk's squared block norms (chunks start on block boundaries)."""
     dst = out[start:stop]
-    torch.mul(rows[0][start:stop], scalars[0], out=dst)
+    torch.mul(_span(rows[0], start, stop), scalars[0], out=dst)
     for m in range(1, len(rows)):
-        dst.addcmul_(rows[m][start:stop], scalars[m])
+        dst.addcmul_(_span(rows[m], start, stop), scalars[m])
     return _block_sq(dst) if norms else None
 
 
@@ -485,7 +531,7 @@ def _merge_threaded(
     direction-sum chunks of long RDA segments, each with its block norms; (3) their rescaling
     factors; (4) the rescaling chunks.
     """
-    def cols(seg: Segment) -> list[torch.Tensor]:
+    def cols(seg: Segment) -> list[Row]:
         return _cols(rows, seg.offset, seg.offset + seg.numel)
 
     def dst(seg: Segment) -> torch.Tensor:

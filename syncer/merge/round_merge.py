@@ -19,8 +19,10 @@ import torch
 from syncer.core.rounds import Answer
 from syncer.durability.checkpoint import SyncerState
 from syncer.merge.correction import HelocoConfig, heloco_correct
+from syncer.merge.held import HeldDelta
 from syncer.merge.merge import (
     Flattener,
+    Row,
     Rows,
     Segment,
     accurate_norm,
@@ -181,7 +183,11 @@ def prepare_merge(
     # One pass over the deltas takes every learner's norm per tensor: RDA weighs its directions by
     # them, and their sum is the delta's norm for the tape.
     deltas = _rows(ordered, momentum, workspace, heloco)
-    sq = segment_sq_norms(deltas, segments, threads=threads)
+    held = [a.delta.sq_norms for a in ordered if isinstance(a.delta, HeldDelta)]
+    if heloco is None and len(held) == len(ordered) and all(s is not None for s in held):
+        sq = torch.stack(held)  # type: ignore[arg-type]  # taken on arrival, the same bits
+    else:
+        sq = segment_sq_norms(deltas, segments, threads=threads)
     totals = sq.sum(dim=1).tolist()
     norms = {a.learner_id: math.sqrt(t) for a, t in zip(ordered, totals, strict=True)}
     # A delta whose norm does not fit float32 (values past ~1e19 do that) cannot be weighed by RDA.
@@ -251,12 +257,14 @@ def _rows(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspa
     (stacking them would hold a round's M·N floats twice). HeLoCo rewrites the rows it corrects, and a
     round merged again after an overflow must find the pushes as they came: it gets a stacked copy
     (in the workspace, when given). A delta on another device than the fragment is moved there."""
-    rows = [a.delta if a.delta.device == momentum.device else a.delta.to(momentum.device) for a in ordered]
+    rows: list[Row] = [a.delta if a.delta.device == momentum.device else a.delta.to(momentum.device)
+                       for a in ordered]
     if heloco is None:
         return rows
     stacked = None if workspace is None else workspace.take("deltas", (len(rows), momentum.numel()),
                                                             momentum.device)
-    return list(torch.stack(rows, out=stacked).unbind())
+    whole = [r if isinstance(r, torch.Tensor) else r.decode() for r in (a.delta for a in ordered)]
+    return list(torch.stack([r.to(momentum.device) for r in whole], out=stacked).unbind())
 
 
 def _outer_gradient(
@@ -270,6 +278,7 @@ def _outer_gradient(
     deltas, sq = stacked if stacked is not None else (_rows(ordered, momentum, workspace, heloco), None)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
+            assert isinstance(row, torch.Tensor)  # `_rows` stacked them
             heloco_correct(row, momentum, segments, heloco, out=row)
         sq = None  # the corrected rows have norms of their own
     if sq is None:
@@ -281,8 +290,10 @@ def _outer_gradient(
     return weights, grad
 
 
-def max_abs(x: torch.Tensor) -> float:
+def max_abs(x: torch.Tensor | HeldDelta) -> float:
     """The largest |value| of `x` (one read pass, no temporary)."""
+    if isinstance(x, HeldDelta):
+        return x.max_abs()
     return float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
 
 

@@ -9,7 +9,8 @@ effects it returns, in order (`effects.py`):
   a lease on them until it is done (`leases.py`);
 * closes, stall timeouts, tape records, log lines and fault points act at once;
 * checkpoints are written durably or the syncer stops (`checkpointing.py`);
-* fresh quantized pushes are decoded on the decode pool, and come back as `Decoded` events;
+* fresh quantized pushes are checked on the decode pool (their norms taken; a CPU merge holds
+  them in their wire encoding until merged, `held.py`), and come back as `Decoded` events;
 * the protocol's asks (`effects.is_ask`: an INIT fragment to check, an f32 or carried push to
   decode, a downlink broadcast to encode) are computed here, at once, and the answer goes back
   to the protocol before any other event (`answer`); a send of a downlink anchor copies it;
@@ -78,6 +79,7 @@ from syncer.durability.checkpoint import CheckpointError, SyncerState
 from syncer.durability.checkpointing import DURABILITY_EXIT_CODE, Checkpointing, DurabilityLost
 from syncer.durability.stopping import POLL_S, Stopped, StopRequest
 from syncer.durability.tape import EventTape
+from syncer.merge.held import HeldDelta, holds
 from syncer.merge.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.merge.round_merge import PreparedMerge, RoundMerger
 from syncer.service.moments import MomentRelay, merged_moment
@@ -106,11 +108,13 @@ def decoded(effect: Decode, layout: Layout, device: torch.device) -> Decoded:
     on the CPU), or why it is unusable; a decoder that raises is a refusal, not a dead coordinator."""
     moment = None
     try:
-        parts = decode_push(layout, effect.msg, effect.payload, effect.codec, effect.screened)
+        parts = decode_push(layout, effect.msg, effect.payload, effect.codec, effect.screened,
+                            hold=holds(effect.codec, device))
         if isinstance(parts, str):
-            delta: torch.Tensor | str = parts
-        else:
-            delta, moment = parts[0].to(device), parts[1]  # the moment stays in its wire form until merged
+            delta: torch.Tensor | HeldDelta | str = parts
+        else:  # the moment stays in its wire form until merged, and so does a held delta
+            delta = parts[0] if isinstance(parts[0], HeldDelta) else parts[0].to(device)
+            moment = parts[1]
     except Exception as exc:
         delta = f"decode failed: {exc}"
     return Decoded(effect.learner_id, effect.generation, effect.attempt, effect.msg, delta, inline=effect.inline,

@@ -252,7 +252,7 @@ def prediction_lines(setup: Setup, pred: Prediction) -> list[str]:
              + (f" + accumulator {_gib(mem.accumulator)}" if mem.accumulator else "")
              + (f" + downlink anchors {_gib(mem.downlink_anchors)}" if mem.downlink_anchors else "")
              + f" + answers in flight {_gib(mem.answers_in_flight)} + merge workspace {_gib(mem.merge_workspace)}"
-             f" + broadcast copy {_gib(mem.broadcast_copy)} + receive buffers {_gib(mem.receive_buffers)}"
+             f" + broadcast copy {_gib(mem.broadcast_copy)}"
              + (f" + checkpoint copies {_gib(mem.checkpoint_copies)}" if mem.checkpoint_copies else "")
              + (f" + shared moments {_gib(mem.shared_moments)}" if mem.shared_moments else "")
              + f" + runtime {_gib(mem.runtime)}",

@@ -37,7 +37,6 @@ class Memory(_Summed):
     answers_in_flight: float
     merge_workspace: float
     broadcast_copy: float
-    receive_buffers: float
     checkpoint_copies: float
     runtime: float
     shared_moments: float = 0.0
@@ -49,30 +48,28 @@ STEP_TEMP_ELEMENTS = 1 << 20  # syncer/merge/outer.py STEP_CHUNK: the outer step
 def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: float | None = None) -> Memory:
     """Host bytes the syncer holds on a CPU merge device (`--device cpu`; cuda moves params,
     momentum and the workspace to the GPU). Counted from syncer/durability/checkpoint.py SyncerState,
-    round_merge.py MergeWorkspace, intake.py (a decoded f32 delta per answer; an f32 push is a view
-    of its receive buffer, a quantized one keeps its payload until decoded), leases.py (a commit
-    copies a fragment a send still reads), snapshots.py and yeto_core/downlink.py."""
+    round_merge.py MergeWorkspace, intake.py and merge/held.py (an answer is its push's receive
+    buffer: an f32 push viewed as the delta, a quantized or bf16 one held in its wire encoding until
+    merged), leases.py (a commit copies a fragment a send still reads), snapshots.py and
+    yeto_core/downlink.py. The receive pool's idle buffers are not counted again: each is an
+    answer's payload between two uses, never both at once; benchmarks/scale.py measures the sum."""
     n_total, n_max = sum(sizes), max(sizes)
     host = setup.host
     m = len(setup.islands)
     pushing = m if answers is None else min(m, math.ceil(answers))
     depth = min(choice.pipeline, choice.fragments)
-    encoded = 0 if choice.codec == "f32" else payload_bytes(choice.codec, n_max, setup.block)
+    answer = payload_bytes(choice.codec, n_max, setup.block)  # 4·n for f32
     return Memory(
         params=4.0 * n_total,
         momentum=4.0 * n_total,
         accumulator=4.0 * n_total if host.delayed_nesterov else 0.0,
         downlink_anchors=4.0 * n_total if choice.downlink == "bf16-delta" else 0.0,
-        answers_in_flight=4.0 * depth * pushing * n_max,
+        answers_in_flight=float(depth * pushing * answer),
         # The merged delta and a chunk of the step's temporary; the merge reads the pushes where they
         # were received, unless HeLoCo corrects them (in a stacked copy).
         merge_workspace=(4.0 * n_max + 4.0 * min(n_max, STEP_TEMP_ELEMENTS)
                          + (4.0 * pushing * n_max if host.heloco else 0.0)),
         broadcast_copy=4.0 * n_max,
-        # A quantized round's payloads until decoded. The pool's idle buffers are not counted again:
-        # each is a payload (or, f32, an answer in flight) between two uses, never both at once;
-        # benchmarks/scale.py measured this sum within 10% at 256 MiB and 1 GiB, M = 2 and 4.
-        receive_buffers=float(pushing * encoded),
         checkpoint_copies=8.0 * n_total if host.background_checkpoint else 0.0,
         runtime=float(RUNTIME_BYTES),
         # Each answer's moment in its receive buffer, the averages of the last two merges kept for

@@ -200,7 +200,12 @@ def test_a_link_bound_round_by_hand() -> None:
     # step's temporary 4 MB (a fragment within one chunk; the merge reads the answers in place); one
     # broadcast copy 4 MB; the runtime. The f32 answers are their receive buffers, not counted twice.
     assert mem.total == pytest.approx(32e6 + 16e6 + 4e6 + 4e6 + 4e6 + RUNTIME_BYTES)
-    assert mem.receive_buffers == 0
+    assert mem.answers_in_flight == 16e6
+    # Quantized pushes are held in their wire encoding until merged: the answers in flight are their
+    # payloads.
+    held = predict(setup, Choice(8, "int4", "f32", 4, 2)).memory
+    assert held.answers_in_flight == 4 * payload_bytes("int4", 1_000_000, 128)
+    assert held.total == pytest.approx(mem.total - 16e6 + held.answers_in_flight)
     # Learners that answer a PULL at their next step (`answer_on_arrival`) wait half a step, not half a
     # boundary: latency 0.05 + 4.000101 + 0.025 = 4.075101 s, a round 4.000101 + 0.075 / 2 s.
     arrival = predict(replace(setup, answer_on_arrival=True), Choice(8, "f32", "f32", 4, 2))
