@@ -27,7 +27,7 @@ def encoded(codec: Codec, x: torch.Tensor) -> memoryview:
     return memoryview(buf)
 
 
-def decoded(codec: Codec, payload: memoryview, n: int) -> torch.Tensor:
+def decode_whole(codec: Codec, payload: memoryview, n: int) -> torch.Tensor:
     out = torch.empty(n)
     codec.decode(payload, out)
     return out
@@ -42,7 +42,7 @@ def test_a_span_decodes_to_the_bits_of_the_whole(name: str, block: int, compiled
         pytest.skip("numba is not installed")
     n = 5 * block + 3  # a ragged last block
     payload = encoded(codec, torch.randn(n, generator=torch.Generator().manual_seed(1)))
-    whole = decoded(codec, payload, n)
+    whole = decode_whole(codec, payload, n)
     wire, scales = codec.checked_scales(payload, n)
     saved, codec.compiled = codec.compiled, compiled
     try:
@@ -60,7 +60,7 @@ def test_a_held_delta_reads_spans_windows_and_extremes_of_its_payload(name: str)
     n = 1000
     x = torch.randn(n, generator=torch.Generator().manual_seed(2))
     payload = encoded(codec, x)
-    whole = decoded(codec, payload, n)
+    whole = decode_whole(codec, payload, n)
     held = HeldDelta(codec, payload, n)
     assert held.numel() == n and held.nbytes == len(payload) < 4 * n
     assert torch.equal(held.decode(), whole) and torch.equal(held.span(10, 700), whole[10:700])
@@ -78,7 +78,7 @@ def test_norms_taken_on_arrival_are_the_bits_the_merge_would_take(name: str) -> 
     payload = encoded(codec, torch.randn(n, generator=torch.Generator().manual_seed(3)))
     held = HeldDelta(codec, payload, n).with_norms(segments)
     assert held.sq_norms is not None
-    assert torch.equal(held.sq_norms, segment_sq_norms([decoded(codec, payload, n)], segments)[0])
+    assert torch.equal(held.sq_norms, segment_sq_norms([decode_whole(codec, payload, n)], segments)[0])
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -91,7 +91,7 @@ def test_held_rows_merge_to_the_bits_of_decoded_rows(name: str, threads: int) ->
     n = (1 << 20) + 4099
     segments = [Segment(0, 1 << 20, rda=True), Segment(1 << 20, 4000, rda=False), Segment((1 << 20) + 4000, 99, True)]
     payloads = [encoded(codec, torch.randn(n, generator=gen)) for _ in range(3)]
-    rows = [decoded(codec, p, n) for p in payloads]
+    rows = [decode_whole(codec, p, n) for p in payloads]
     held = [HeldDelta(codec, p, n) for p in payloads]
     w = torch.tensor([0.2, 0.3, 0.5])
     want = merge_deltas(rows, w, segments, threads=threads, negate=True)
@@ -114,7 +114,7 @@ def test_a_round_of_held_pushes_commits_the_bits_of_decoded_ones(heloco: bool) -
     held = [decode_delta(layout, msg, p, codec, hold=True) for p in payloads]
     assert all(isinstance(h, HeldDelta) and h.sq_norms is not None for h in held)
     results = []
-    for deltas in (held, [decoded(codec, p, n) for p in payloads]):
+    for deltas in (held, [decode_whole(codec, p, n) for p in payloads]):
         params, momentum = torch.ones(n), torch.full((n,), 0.01)
         out = merge_round([Answer(i, 1, 100 * (i + 1), 4, d, 0) for i, d in enumerate(deltas)],  # type: ignore[arg-type]
                           params=params, momentum=momentum, outer_state={}, segments=segments, outer=Nesterov(),
@@ -147,3 +147,19 @@ def test_only_the_encoded_codecs_are_held_and_only_on_the_cpu() -> None:
     assert not holds(F32, cpu) and not holds(codec_by_name("int4"), cuda)
     with pytest.raises(ValueError, match="not held"):
         HeldDelta(F32, memoryview(bytes(8)), 2)
+
+
+def test_the_decode_pool_holds_a_quantized_push_and_views_an_f32_one() -> None:
+    from syncer.core.effects import Decode
+    from syncer.service.coordinator import decoded
+
+    layout = build_layout([TensorSpec("w", (512,), "float32")], 1)
+    cpu = torch.device("cpu")
+    x = torch.randn(512, generator=torch.Generator().manual_seed(7))
+    for codec, kind in ((codec_by_name("int4"), HeldDelta), (F32, torch.Tensor)):
+        payload = encoded(codec, x)
+        msg = Push(0, 1, 0, 0, 10, 4, 0, 1, len(payload), codec.wire_id)
+        ev = decoded(Decode(0, 1, 1, msg, payload, codec, inline=codec is F32, screened=None), layout, cpu)
+        assert isinstance(ev.delta, kind)
+        got = ev.delta if isinstance(ev.delta, torch.Tensor) else ev.delta.decode()
+        assert torch.equal(got, x if codec is F32 else decode_whole(codec, payload, 512))
