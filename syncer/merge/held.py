@@ -17,12 +17,11 @@ import numpy as np
 import torch
 
 from syncer.merge.merge import Segment, segment_sq_norms
-from yeto_core.codecs import Codec, codec_by_name
+from yeto_core.codecs import BF16, Codec
 from yeto_core.quant import QuantCodec
 
 __all__ = ["HeldDelta", "holds"]
 
-BF16 = codec_by_name("bf16")
 _SPAN = 1 << 20  # values decoded at a time where the merge does not say (whole-row reads, max_abs)
 
 
