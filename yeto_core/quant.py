@@ -348,10 +348,11 @@ class QuantCodec:
     def checked_scales(self, buf: memoryview, numel: int) -> tuple[np.ndarray, np.ndarray]:
         """The payload's bytes and its blocks' scales, for `decode_span`; raises ValueError where
         `problem` names a problem."""
-        problem = self.problem(buf, numel)
+        wire, scales = self._scales(buf, numel)
+        problem = self._scale_problem(scales)
         if problem is not None:
             raise ValueError(problem)
-        return self._scales(buf, numel)
+        return wire, scales
 
     def _scales(self, buf: memoryview, numel: int) -> tuple[np.ndarray, np.ndarray]:
         """The payload's bytes and its blocks' scales, once its header and size are checked."""
@@ -381,6 +382,10 @@ class QuantCodec:
             _, scales = self._scales(buf, numel)
         except ValueError as exc:
             return str(exc)
+        return self._scale_problem(scales)
+
+    def _scale_problem(self, scales: np.ndarray) -> str | None:
+        """The first block whose scale would make a value NaN or ±Inf, named; or None."""
         reach = float(np.abs(self._table).max()) if self.name != "int8" else float(self._qmax)
         with np.errstate(over="ignore", invalid="ignore"):
             bad = ~(np.isfinite(scales * np.float32(reach)) & (scales >= 0))

@@ -183,9 +183,9 @@ def prepare_merge(
     # One pass over the deltas takes every learner's norm per tensor: RDA weighs its directions by
     # them, and their sum is the delta's norm for the tape.
     deltas = _rows(ordered, momentum, workspace, heloco)
-    held = [a.delta.sq_norms for a in ordered if isinstance(a.delta, HeldDelta)]
-    if heloco is None and len(held) == len(ordered) and all(s is not None for s in held):
-        sq = torch.stack(held)  # type: ignore[arg-type]  # taken on arrival, the same bits
+    held = [a.delta.sq_norms for a in ordered if isinstance(a.delta, HeldDelta) and a.delta.sq_norms is not None]
+    if heloco is None and len(held) == len(ordered):
+        sq = torch.stack(held)  # taken on arrival, the same bits
     else:
         sq = segment_sq_norms(deltas, segments, threads=threads)
     totals = sq.sum(dim=1).tolist()
