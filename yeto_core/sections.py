@@ -153,8 +153,10 @@ class MergeSettings(Section):
     outer_optimizer: Literal["nesterov", "delayed-nesterov"] = Field(default="nesterov", description="outer optimizer")
     # Measured by benchmarks/compare_diloco.py (README "Does it learn?"): DiLoCo's stock 0.7/0.9
     # over-drives the strongly correlated deltas of a few dozen inner steps; with the momentum warmed
-    # up, 0.7/0.5 (a steady step of 1.4 merged deltas) beats 0.5/0.5 in 6 of the 8 M = 2 cells.
-    outer_lr: float = Field(default=0.7, gt=0, le=100, description="Nesterov outer learning rate")
+    # up, 0.7/0.5 (a steady step of 1.4 merged deltas) beats 0.5/0.5 in 6 of the 8 M = 2 cells, and
+    # from four islands on a shorter step does better (`default_outer_lr`).
+    outer_lr: float = Field(default=0.0, ge=0, le=100, description="Nesterov outer learning rate (0 = "
+                            "0.7·min(1, 2/M)^¼: 0.7 for up to 2 learners, 0.59 for 4, 0.49 for 8)")
     outer_momentum: float = Field(default=0.5, ge=0, lt=1, description="Nesterov outer momentum")
     outer_momentum_warmup: int = Field(default=4, ge=0, le=MAX_STEPS, description="outer steps over which each "
                                        "fragment's outer momentum rises linearly from 0 to --outer-momentum "
@@ -180,3 +182,19 @@ class MergeSettings(Section):
     @property
     def iso_devices(self) -> list[str]:
         return [d for d in self.iso_worker_devices.split(",") if d]
+
+    def for_learners(self, learners: int) -> MergeSettings:
+        """These settings with the outer lr a fleet of `learners` steps by: the one set, or when
+        none is (0) `default_outer_lr(learners)`."""
+        return self if self.outer_lr else self.model_copy(update={"outer_lr": default_outer_lr(learners)})
+
+
+OUTER_LR_TWO_ISLANDS = 0.7
+
+
+def default_outer_lr(learners: int) -> float:
+    """The outer lr when none is set: 0.7 up to two learners, then 0.7·(2/M)^¼ (0.59 at M = 4, 0.49
+    at M = 8). Measured by benchmarks/compare_diloco.py on both model families: at M = 2 lr 0.7
+    beats 0.5 in 6 of 8 cells, at M = 8 lr 0.5 beats 0.7 in every cell tried, lockstep and unpaced
+    (docs/LEARNING.md); 1/√M shortens it too fast (0.35 at M = 8 was worse than 0.5 and 0.7)."""
+    return OUTER_LR_TWO_ISLANDS * min(1.0, 2 / learners) ** 0.25

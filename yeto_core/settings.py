@@ -16,7 +16,16 @@ import stat
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yeto_core import faults
@@ -368,6 +377,15 @@ class SyncerSettings(FlatSettings):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v.strip()):
             raise ValueError("expected auto, cpu, cuda or cuda:N")
         return v.strip()
+
+    @model_validator(mode="after")
+    def _outer_lr_of_the_fleet(self) -> SyncerSettings:
+        # The outer lr left unset (0) depends on M; resolved once here, so every part that takes the
+        # merge section (the outer optimizer, the checkpoint's record of it) sees the lr it steps by.
+        merging = self.merging.for_learners(self.learners)
+        if merging is not self.merging:
+            self.__dict__["merging"] = merging  # frozen: the validated value, set before anyone reads it
+        return self
 
     @property
     def effective_quorum(self) -> int:

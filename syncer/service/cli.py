@@ -298,9 +298,9 @@ def serve_run(settings: SyncerSettings, key: bytes, device: torch.device, state:
         print(f"yeto syncer metrics on http://{web}:{exposition.port}/metrics", flush=True)
         print(f"yeto syncer status page on http://{web}:{exposition.port}/", flush=True)
     print(f"yeto syncer listening on {host}:{port}", flush=True)
-    log.info("M=%d learners, quorum %d, %d %s fragments, %s rounds, merge on %s", settings.learners,
+    log.info("M=%d learners, quorum %d, %d %s fragments, %s rounds, merge on %s, outer lr %.4g", settings.learners,
              settings.effective_quorum, settings.fragments, settings.pattern, settings.total_rounds or "unlimited",
-             device)
+             device, settings.merging.outer_lr)
     try:
         code = coordinator.run()
     finally:

@@ -57,7 +57,7 @@ def test_every_setting_is_a_flag_with_its_description_and_default(monkeypatch: p
 
 
 @pytest.mark.parametrize(("flag", "shown"), [
-    ("--round-timeout-s", "(default 120 s)"), ("--grace-s", "(default 5 s)"), ("--outer-lr", "(default 0.7)"),
+    ("--round-timeout-s", "(default 120 s)"), ("--grace-s", "(default 5 s)"), ("--outer-lr", "0.49 for 8) (default 0)"),
     ("--learners", "(default 2)"), ("--pattern", "(default binpack)"), ("--checkpoint", "(default none)"),
     ("--resume", "(default off)"), ("--wan-stall-timeout-s", "(0: off) (default 0 s)"),
 ])

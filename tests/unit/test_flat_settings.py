@@ -114,6 +114,9 @@ def test_the_syncers_flags_cover_its_sections() -> None:
     args = cli.build_parser().parse_args(["--outer-lr", "0.3", "--heartbeat-s", "1", "--wan-stall-timeout-s", "4"])
     settings = load_settings(SyncerSettings, flags=True, **{k: v for k, v in vars(args).items() if k != "log_level"})
     assert settings.merging.outer_lr == 0.3
+    args = cli.build_parser().parse_args(["--learners", "8"])  # no lr given: M's
+    unset = load_settings(SyncerSettings, flags=True, **{k: v for k, v in vars(args).items() if k != "log_level"})
+    assert unset.merging.outer_lr == 0.7 * (2 / 8) ** 0.25
     assert (settings.streams.heartbeat_s, settings.streams.stall_timeout_s) == (1.0, 4.0)
     text = cli.build_parser().format_help()  # a section's flags under its heading, after the syncer's own
     merging, streams = text.index(f"\n{MergeSettings.heading}:"), text.index(f"\n{StreamSettings.heading}:")

@@ -70,3 +70,11 @@ def test_the_shipped_outer_step_against_a_hand_reference() -> None:
     # warmed up, μ = 0.5: m = 0.5·m + g = [0.40625, 0.265625]; θ −= 0.7·(g + 0.5·m) = 0.7·[0.703125, 0.1328125]
     assert param.tolist() == close([0.34921875, -2.664453125])
     assert momentum.tolist() == [0.40625, 0.265625]
+
+
+def test_the_merger_steps_by_the_fleets_outer_lr() -> None:
+    from syncer.merge.round_merge import RoundMerger
+
+    assert RoundMerger(SyncerSettings(learners=2).merging).outer.lr == 0.7
+    assert RoundMerger(SyncerSettings(learners=8).merging).outer.lr == pytest.approx(0.4950, abs=5e-5)
+    assert RoundMerger(SyncerSettings(learners=8, outer_lr=0.7).merging).outer.lr == 0.7

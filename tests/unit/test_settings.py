@@ -179,7 +179,7 @@ def test_each_section_carries_its_settings_and_their_defaults_do_not_drift() -> 
 
     learner = LearnerSettings(syncer="10.0.0.2:7070", key="k" * 32, learner_id=3)
     assert learner.consensus == ConsensusSettings() and learner.island == IslandSettings()
-    assert SyncerSettings().merging == MergeSettings()
+    assert SyncerSettings().merging == MergeSettings().for_learners(2) == MergeSettings(outer_lr=0.7)
     assert learner.link == LinkSettings()
     assert learner.endpoint() == Endpoint(("10.0.0.2", 7070), b"k" * 32, 3)
     tuned = LearnerSettings(syncer="h:1", key="k" * 32, data_streams=4, wan_stall_timeout_s=9, collective_timeout_s=8,
@@ -187,6 +187,29 @@ def test_each_section_carries_its_settings_and_their_defaults_do_not_drift() -> 
     assert (tuned.link.data_streams, tuned.link.stall_timeout_s, tuned.link.stream_schedule) == (4, 9.0, "adaptive")
     assert tuned.island.heartbeat_s == 2.0 and tuned.consensus.every == 0
     assert SyncerSettings(outer_lr=0.3, merge="average").merging.outer_lr == 0.3
+
+
+@pytest.mark.parametrize(("learners", "lr"), [(1, 0.7), (2, 0.7), (3, 0.6325), (4, 0.5886), (8, 0.4950),
+                                              (16, 0.4162)])
+def test_the_outer_lr_left_unset_shortens_with_the_fleet(learners: int, lr: float) -> None:
+    from yeto_core.sections import default_outer_lr
+    from yeto_core.settings import SyncerSettings
+
+    assert default_outer_lr(learners) == pytest.approx(lr, abs=5e-5)
+    assert SyncerSettings(learners=learners).merging.outer_lr == default_outer_lr(learners)
+    # One set by name is kept whatever M, and the checkpoint records the lr stepped by, not the 0.
+    assert SyncerSettings(learners=learners, outer_lr=0.7).merging.outer_lr == 0.7
+    assert SyncerSettings(learners=learners, outer_lr=0).merging.outer_lr == default_outer_lr(learners)
+
+
+def test_the_outer_lr_resolved_from_the_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from yeto_core.settings import SyncerSettings
+
+    monkeypatch.setenv("YETO_SYNCER_LEARNERS", "8")
+    assert SyncerSettings().merging.outer_lr == pytest.approx(0.4950, abs=5e-5)
+    monkeypatch.setenv("YETO_SYNCER_OUTER_LR", "0.6")
+    assert SyncerSettings().merging.outer_lr == 0.6
+    assert SyncerSettings(outer_lr=0).merging.outer_lr == pytest.approx(0.4950, abs=5e-5)  # a flag wins
 
 
 def test_a_learners_final_wait_outlasts_the_syncers_finalization() -> None:
