@@ -270,7 +270,10 @@ OUTER_OPTIMIZERS = ("nesterov", "delayed-nesterov")
 
 
 def outer_optimizer(merging: MergeSettings) -> OuterOptimizer:
-    """The outer optimizer of a syncer's merge settings."""
+    """The outer optimizer of a syncer's merge settings, their outer lr resolved (`SyncerSettings`
+    does it from M): an unresolved 0 would take steps of length zero without a word."""
+    if not merging.outer_lr:
+        raise ValueError("the outer lr is unset (0): resolve it with MergeSettings.for_learners(M)")
     return make_outer_optimizer(merging.outer_optimizer, lr=merging.outer_lr, momentum=merging.outer_momentum,
                                 delay=merging.outer_delay, warmup=merging.outer_momentum_warmup)
 

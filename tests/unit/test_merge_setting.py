@@ -78,3 +78,9 @@ def test_the_merger_steps_by_the_fleets_outer_lr() -> None:
     assert RoundMerger(SyncerSettings(learners=2).merging).outer.lr == 0.7
     assert RoundMerger(SyncerSettings(learners=8).merging).outer.lr == pytest.approx(0.4950, abs=5e-5)
     assert RoundMerger(SyncerSettings(learners=8, outer_lr=0.7).merging).outer.lr == 0.7
+    from syncer.merge.outer import outer_optimizer
+    from yeto_core.sections import MergeSettings
+
+    with pytest.raises(ValueError, match=r"for_learners"):
+        outer_optimizer(MergeSettings())  # a section built alone has no M to resolve its lr from
+    assert outer_optimizer(MergeSettings().for_learners(4)).lr == SyncerSettings(learners=4).merging.outer_lr
