@@ -5,6 +5,7 @@
     python -m benchmarks.compare_diloco --arms yeto-default,previous-defaults --model main
     python -m benchmarks.compare_diloco --matrix                 # every cell of diloco_matrix.py
     python -m benchmarks.compare_diloco --cells '*-h24-m2'       # the matrix's cells matching a glob
+    python -m benchmarks.compare_diloco --collect A/compare_diloco.json B/compare_diloco.json  # pieces as one
 
 Every arm trains the same model from the same seeded initial weights for the same number of
 optimizer steps (`diloco_arm.py` says exactly how), so arms with M islands of batch b and the
@@ -26,10 +27,11 @@ their verdicts. It writes `compare_diloco.json` (every run, its loss curve, the 
 `compare_diloco.png` (held-out loss against tokens trained, and its ratio to `dp` at the same
 step, mean over seeds) to `--out`.
 
-`--matrix` (or `--cells`, a part of it) runs the cells of `diloco_matrix.py` instead: two model
+`--matrix` (or `--cells`, a part of it) runs the cells of `diloco_matrix.py` instead: three model
 families, two texts, two schedules, H = 24 and 96, M = 2, 4 and 8, a slow island; every yeto
 cell both lockstep and unpaced. It prints one row per cell and yeto arm with its goal, and writes
-`compare_diloco.json` and `compare_diloco_matrix.png`.
+`compare_diloco.json` and `compare_diloco_matrix.png`. `--collect` trains nothing: it reads the
+results of pieces run apart and prints and draws them as one matrix.
 """
 
 from __future__ import annotations
@@ -328,7 +330,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at once (default 2)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "compare-diloco", help="result directory")
     p.add_argument("--timeout", type=float, default=1800, help="deadline of one run in seconds")
+    p.add_argument("--collect", type=Path, nargs="+", metavar="JSON", help="train nothing: the matrix table, "
+                   "goals and figure of the cells in these results (pieces run with --cells), into --out; "
+                   "a later file's runs of an arm replace an earlier one's")
     args = p.parse_args(argv)
+    if args.collect:
+        if missing := [str(path) for path in args.collect if not path.is_file()]:
+            p.error(f"--collect: no such file: {', '.join(missing)}")
+        return args
     matrix = args.matrix or args.cells
     if matrix and (args.quick or args.family or args.corpus or args.schedule):
         p.error("--matrix/--cells choose their own families, texts and schedules")
@@ -461,8 +470,41 @@ def base_shape(args: argparse.Namespace) -> Shape:
     return Shape(**{**asdict(MODELS[args.model]), **{k: v for k, v in given.items() if v is not None}})
 
 
+def collect(paths: list[Path], out: Path) -> int:
+    """The matrix of the cells these results hold, as if one run had trained them all."""
+    runs: Runs = {}
+    for path in paths:
+        try:
+            found = json.loads(path.read_text())["runs"]
+        except (ValueError, KeyError, TypeError):
+            print(f"compare_diloco: --collect {path}: not a compare_diloco.json (no runs)", file=sys.stderr)
+            return 2
+        runs.update(found)
+    cells = [cell for cell in diloco_matrix.all_cells() if runs.get(f"{cell.name}:dp")]
+    if not cells:
+        print("compare_diloco: --collect: these results hold no matrix cell with its dp runs", file=sys.stderr)
+        return 2
+    print(f"compare_diloco: {len(cells)} cells from {len(paths)} results")
+    table = diloco_matrix.rows(cells, runs)
+    diloco_matrix.print_rows(table)
+    slow = diloco_matrix.slow_verdicts(cells, runs)
+    for what_, value, met_ in slow:
+        print(f"  {what_:<60} {value:<40} {'met' if met_ else 'MISSED'}")
+    out.mkdir(parents=True, exist_ok=True)
+    figure = out / "compare_diloco_matrix.png"
+    diloco_matrix.plot(figure, cells, runs)
+    payload = {"collected": [str(path) for path in paths], "runs": runs, "matrix": table,
+               "goals": [{"goal": w, "value": v, "met": ok} for w, v, ok in slow]}
+    (out / "compare_diloco.json").write_text(json.dumps(payload, indent=1))
+    met = [bool(r["met"]) for r in table if "met" in r] + [m for _, _, m in slow]
+    print(f"\nwrote {out / 'compare_diloco.json'} and {figure}\nmatrix goals met: {sum(met)} of {len(met)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.collect:
+        return collect(args.collect, args.out)
     shape = base_shape(args)
     arms, shapes = select(args, shape)
     alias = same_as(list(arms.values()))

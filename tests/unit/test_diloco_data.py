@@ -49,6 +49,27 @@ def test_gpt2_family_has_learned_positions_layer_norm_gelu_and_tied_embeddings()
     assert math.isfinite(model(input_ids=x, labels=x).loss.item())
 
 
+def test_neox_family_has_partial_rotary_layer_norm_parallel_residual_and_untied_embeddings() -> None:
+    model = diloco_data.build_model("neox", 32, 2, 16, seed=3)
+    config = model.config
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (32, 2, 256)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25 and config.use_parallel_residual
+    assert isinstance(model.gpt_neox.final_layer_norm, torch.nn.LayerNorm)
+    assert model.get_output_embeddings().weight.data_ptr() != model.gpt_neox.embed_in.weight.data_ptr()  # untied
+    again = diloco_data.build_model("neox", 32, 2, 16, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    x = torch.randint(0, 256, (2, 16))
+    assert math.isfinite(model(input_ids=x, labels=x).loss.item())
+
+
+def test_matrix_runs_its_longer_cells_on_the_two_families_the_defaults_were_measured_on() -> None:
+    cells = diloco_matrix.all_cells()
+    assert {c.family for c in cells if c.m == 2 and c.h == 24} == set(diloco_data.FAMILIES)
+    assert {c.family for c in cells if c.m > 2 or c.h > 24} == set(diloco_matrix.DEEP_FAMILIES) == {"llama", "gpt2"}
+    assert [c.name for c in diloco_matrix.pick("neox-*")] == [
+        "neox-help-constant-h24-m2", "neox-help-cosine-h24-m2", "neox-code-constant-h24-m2", "neox-code-cosine-h24-m2"]
+
+
 def test_shards_are_contiguous_and_disjoint_and_held_out_is_thinned() -> None:
     for corpus in diloco_data.CORPORA:
         whole = diloco_data.shard(corpus, 64, 0, 1)
