@@ -20,6 +20,13 @@ moments at the push, m̄, replaces the island's own m_push by adding β^k·(m̄ 
 moment it holds k steps later: the steps since the push stay in it exactly as they would have
 on top of m̄. Nothing here touches the parameters, so islands stay bit-identical whether the
 moment is shared or not.
+
+Adam divides the moment by the island's own √v, so a fleet's moment must not outgrow what that v
+can carry: a coordinate this island never saw a gradient for (a token absent from its shard, in an
+input embedding untied from the output) has v = 0, and another island's moment there would step
+it by m/ε. Adam's own moments satisfy |m| ≤ κ·√v, κ = (1 − β₁)/√((1 − β₂)(1 − β₁²/β₂)) (Cauchy–
+Schwarz over the two exponential sums), so after the change each moment is clamped to that bound:
+the fleet's moment can turn the island's steps, never make them longer than its own could be.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from yeto_core.setting_names import SettingsError
 from yeto_core.store import fragment_buffer
 
 FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")  # Adam and its kin; SGD with momentum
+SECOND_MOMENT_KEY = "exp_avg_sq"  # Adam's: what bounds the first moment it divides
 MOMENT_CODEC = quant_codec("int4")  # as good as f32 for the moment, measured (README)
 
 
@@ -118,6 +126,17 @@ def torch_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def moment_bound(group: dict[str, Any]) -> float | None:
+    """κ with |m| ≤ κ·√v for the moments Adam keeps in `group` (module docstring); None where the
+    group keeps no second moment (SGD), or its betas give no bound (β₁² ≥ β₂)."""
+    if "betas" not in group:
+        return None
+    beta1, beta2 = (float(b) for b in group["betas"][:2])
+    if not 0.0 <= beta1 * beta1 < beta2 < 1.0:
+        return None
+    return (1.0 - beta1) / ((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2)) ** 0.5
+
+
 def first_moment_beta(group: dict[str, Any], name: str) -> float:
     """β of the first moment's exponential average in one param group: Adam's betas[0], SGD's momentum."""
     if "betas" in group:
@@ -136,6 +155,7 @@ class OptimizerMoments:
         owner = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         self._params: dict[str, torch.Tensor] = {}
         self._beta: dict[str, float] = {}
+        self._bound: dict[str, float | None] = {}
         for name, param in named_params:
             group = owner.get(id(param))
             if group is None:
@@ -143,6 +163,7 @@ class OptimizerMoments:
                                   "optimizer's parameters")
             self._params[name] = param
             self._beta[name] = first_moment_beta(group, name)
+            self._bound[name] = moment_bound(group)
 
     def _moment(self, name: str) -> torch.Tensor | None:
         state = self.optimizer.state.get(self._params[name])
@@ -200,3 +221,16 @@ class OptimizerMoments:
                 continue
             part = change[slot.offset : slot.offset + slot.numel]
             moment.add_(part.view(moment.shape).to(device=moment.device, dtype=moment.dtype))
+            self.bound(slot.name, moment)
+
+    def bound(self, name: str, moment: torch.Tensor) -> None:
+        """Clamp `moment` of tensor `name` to κ·√v of the island's own second moment (module
+        docstring), where its optimizer keeps one."""
+        kappa = self._bound[name]
+        state = self.optimizer.state.get(self._params[name])
+        second = state.get(SECOND_MOMENT_KEY) if state else None
+        if kappa is None or not isinstance(second, torch.Tensor) or second.shape != moment.shape:
+            return
+        limit = second.sqrt().mul_(kappa)
+        torch.minimum(moment, limit, out=moment)
+        torch.maximum(moment, limit.neg_(), out=moment)

@@ -28,7 +28,7 @@ from launch import end_rank, report
 from yeto_core.conductor import Outcome
 from yeto_core.layout import build_layout
 from yeto_core.learner import LearnerSession
-from yeto_core.moments import decode_moment, encode_moment
+from yeto_core.moments import decode_moment, encode_moment, moment_bound
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_plugins.torch_dist.store import ProcessGroupStore
 
@@ -152,6 +152,9 @@ def moments_problems(kind: str, rank: int, world: int) -> list[str]:
     layout = build_layout(store.specs, 2)
     exp_avg = {name: opt.state[p]["exp_avg"] for name, p in named}
     before = {name: full(m).float().clone() for name, m in exp_avg.items()}  # every rank: a collective
+    # the fleet's moment is clamped to κ·√v of the island's own second moment (DESIGN §3.9), shard by shard
+    limit = {name: full(opt.state[p]["exp_avg_sq"]).float().sqrt() * moment_bound(opt.param_groups[0])
+             for name, p in named}
     box: dict[str, Any] = {}
 
     def read() -> bool:
@@ -178,6 +181,7 @@ def moments_problems(kind: str, rank: int, world: int) -> list[str]:
         store.run(rebase if rank == 0 else None)
         for slot in fragment.slots:
             want = before[slot.name] + 0.8**2 * shift[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            want = torch.maximum(torch.minimum(want, limit[slot.name]), -limit[slot.name])
             if not torch.allclose(full(exp_avg[slot.name]).float(), want, rtol=0, atol=1e-6):
                 problems.append(f"{kind}: rank {rank}: {slot.name}'s moment did not take the change")
     digest = hashlib.sha256(b"".join(full(m).float().numpy().tobytes() for m in exp_avg.values())).hexdigest()

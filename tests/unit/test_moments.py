@@ -78,7 +78,7 @@ def test_rebase_replaces_the_pushed_moment_by_the_merged_one_decayed_by_the_step
     assert pushed is not None
     adam_steps(named, opt, 3, seed=1)  # three steps trained since the push
     held = moments.gather(fragment)
-    merged = pushed + torch.linspace(-1, 1, fragment.numel)
+    merged = pushed + 0.01 * torch.linspace(-1, 1, fragment.numel)  # well inside what √v allows
     moments.rebase(fragment, merged, pushed, 3)
     after = moments.gather(fragment)
     assert after is not None
@@ -106,6 +106,40 @@ def test_the_rebased_moment_is_what_the_merged_one_would_have_become() -> None:
     a, b = moments.gather(fragment), twin_moments.gather(fragment)
     assert a is not None and b is not None
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_fleets_moment_never_outgrows_what_the_islands_own_second_moment_carries() -> None:
+    """A coordinate this island never had a gradient for (v = 0: a token its shard lacks, in an
+    untied input embedding) takes no moment from the fleet, which Adam would divide by ε; the rest
+    stay within Adam's own bound |m| ≤ κ·√v, and a moment within it passes untouched."""
+    theta = torch.nn.Parameter(torch.zeros(4))
+    named = [("t", theta)]
+    layout = build_layout(specs_from_named_tensors(named), 1, "binpack")
+    fragment = layout.fragments[0]
+    opt = torch.optim.AdamW([theta], lr=0.01, betas=(0.9, 0.999))
+    moments = OptimizerMoments(opt, named)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        theta.grad = torch.randn(4, generator=gen) * torch.tensor([0.0, 1.0, 1.0, 1.0])
+        opt.step()
+    kappa = moments_module.moment_bound(opt.param_groups[0])
+    assert kappa == pytest.approx(0.1 / (0.001 * (1 - 0.81 / 0.999)) ** 0.5)
+    state = opt.state[theta]
+    pushed = moments.gather(fragment)
+    assert pushed is not None and float(state["exp_avg_sq"][0]) == 0.0
+    moments.rebase(fragment, pushed + 100.0, pushed, 0)  # another island's moment, far larger
+    limit = kappa * state["exp_avg_sq"].sqrt()
+    assert float(state["exp_avg"][0]) == 0.0
+    assert torch.equal(state["exp_avg"].abs(), limit)
+    before = theta.detach().clone()
+    theta.grad = torch.zeros(4)
+    opt.step()  # the step the fleet's moment drives: as long as Adam's own could be, never m/ε
+    assert float(theta[0]) == float(before[0])
+    assert bool(((theta.detach() - before).abs() <= 0.01 * (kappa * 1.01) + 1e-6).all())
+    inside = state["exp_avg"] * 0.5
+    held = state["exp_avg"].clone()
+    moments.rebase(fragment, inside, held, 0)
+    assert torch.equal(state["exp_avg"], inside)
 
 
 def test_an_optimizer_without_a_first_moment_or_a_tensor_it_does_not_own_is_refused() -> None:
@@ -345,7 +379,7 @@ def test_a_session_pushes_its_moment_and_folds_the_fleets_into_its_optimizer() -
     assert bytes(job.moment) == bytes(encode_moment(opt.state[theta]["exp_avg"]))
     pushed = decode_moment(fragment, job.moment)
     train()  # step 3, trained while the round merges
-    fleet = decode_moment(fragment, encode_moment(pushed * 0.5 + 0.25))  # as the broadcast carries it
+    fleet = decode_moment(fragment, encode_moment(pushed * 0.5 + 0.01))  # as the broadcast carries it
     link.bcast(0, 1, 0, job.delta.clone(), merged=True, moment=fleet)
     theta.grad = torch.randn(4, generator=gen)
     opt.step()  # step 4's optimizer step; its session.step installs the broadcast
@@ -414,10 +448,10 @@ def test_a_round_pulled_again_gets_the_same_moment_and_a_round_without_us_still_
 def test_a_fragments_moment_is_read_and_rebased_in_its_own_tensors_only() -> None:
     named = [(n, torch.nn.Parameter(torch.zeros(k))) for n, k in (("a", 5), ("b", 3), ("c", 4))]
     layout = build_layout(specs_from_named_tensors(named), 2, "binpack")
-    opt = torch.optim.AdamW([p for _, p in named], betas=(0.5, 0.9))
+    opt = torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.5)  # no second moment to bound the + 1
     moments = OptimizerMoments(opt, named)
     adam_steps(named, opt, 2)  # type: ignore[arg-type]
-    by_name = {n: opt.state[p]["exp_avg"] for n, p in named}
+    by_name = {n: opt.state[p]["momentum_buffer"] for n, p in named}
     fragment = layout.fragments[0]
     wire = moments.encode(fragment)
     assert wire is not None and len(wire) == moment_nbytes(fragment)

@@ -86,6 +86,7 @@ class IslandMoments(OptimizerMoments):
                     part = distribute_tensor(part.to(moment.dtype), moment.device_mesh,  # type: ignore[attr-defined]
                                              moment.placements, src_data_rank=None)  # type: ignore[attr-defined]
                 moment.add_(part.to(device=moment.device, dtype=moment.dtype))
+                self.bound(slot.name, moment)
 
 
 def _numel(t: torch.Tensor) -> int:
