@@ -48,7 +48,7 @@ EVAL_BLOCKS = 512  # a longer held-out split is thinned to this many blocks, eve
 # (cosine). GPT-2: 1.5e-3 costs 2.3% (constant) and 3.8% (cosine); 3e-3 is 0.4% worse (constant) and
 # 0.7% better (cosine) with three times the spread of seeds, and 4e-3 and 6e-3 diverge (+6%, +28%).
 # NeoX: the mean over both schedules is best at 3e-3; 2e-3 is 0.7% better (constant) and 1.4% worse
-# (cosine), 1.5e-3 2.4% and 4.1% worse, 4e-3 2.5% and 0.2% worse with twice the spread of seeds.
+# (cosine), 1.5e-3 1.7% and 4.1% worse, 4e-3 2.5% and 0.2% worse with three times the spread of seeds.
 FAMILY_LR = {"llama": 1.5e-3, "gpt2": 2e-3, "neox": 3e-3}
 
 
