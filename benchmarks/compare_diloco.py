@@ -485,20 +485,27 @@ def collect(paths: list[Path], out: Path) -> int:
         print("compare_diloco: --collect: these results hold no matrix cell with its dp runs", file=sys.stderr)
         return 2
     print(f"compare_diloco: {len(cells)} cells from {len(paths)} results")
+    out.mkdir(parents=True, exist_ok=True)
+    figure = out / "compare_diloco_matrix.png"
+    payload: dict[str, Any] = {"collected": [str(path) for path in paths], "runs": runs}
+    last = report_matrix(cells, runs, payload, figure)
+    (out / "compare_diloco.json").write_text(json.dumps(payload, indent=1))
+    print(f"\nwrote {out / 'compare_diloco.json'} and {figure}\n{last}")
+    return 0
+
+
+def report_matrix(cells: list[diloco_matrix.Cell], runs: Runs, payload: dict[str, Any], figure: Path) -> str:
+    """Print the cells' table and the slow island's verdicts, put both in `payload`, draw `figure`;
+    the closing line, how many goals were met."""
     table = diloco_matrix.rows(cells, runs)
     diloco_matrix.print_rows(table)
     slow = diloco_matrix.slow_verdicts(cells, runs)
     for what_, value, met_ in slow:
         print(f"  {what_:<60} {value:<40} {'met' if met_ else 'MISSED'}")
-    out.mkdir(parents=True, exist_ok=True)
-    figure = out / "compare_diloco_matrix.png"
+    payload.update(matrix=table, goals=[{"goal": w, "value": v, "met": ok} for w, v, ok in slow])
     diloco_matrix.plot(figure, cells, runs)
-    payload = {"collected": [str(path) for path in paths], "runs": runs, "matrix": table,
-               "goals": [{"goal": w, "value": v, "met": ok} for w, v, ok in slow]}
-    (out / "compare_diloco.json").write_text(json.dumps(payload, indent=1))
     met = [bool(r["met"]) for r in table if "met" in r] + [m for _, _, m in slow]
-    print(f"\nwrote {out / 'compare_diloco.json'} and {figure}\nmatrix goals met: {sum(met)} of {len(met)}")
-    return 0
+    return f"matrix goals met: {sum(met)} of {len(met)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,16 +533,8 @@ def main(argv: list[str] | None = None) -> int:
                                "shapes": {n: asdict(sh) for n, sh in shapes.items()}, "same_as": alias,
                                "runs": runs, "summary": summary}
     if args.picked_cells is not None:
-        table = diloco_matrix.rows(args.picked_cells, runs)
-        diloco_matrix.print_rows(table)
-        slow = diloco_matrix.slow_verdicts(args.picked_cells, runs)
-        for what_, value, met_ in slow:
-            print(f"  {what_:<60} {value:<40} {'met' if met_ else 'MISSED'}")
-        payload.update(matrix=table, goals=[{"goal": w, "value": v, "met": ok} for w, v, ok in slow])
         figure = args.out / "compare_diloco_matrix.png"
-        diloco_matrix.plot(figure, args.picked_cells, runs)
-        met = [bool(r["met"]) for r in table if "met" in r] + [m for _, _, m in slow]
-        last = f"matrix goals met: {sum(met)} of {len(met)}"
+        last = report_matrix(args.picked_cells, runs, payload, figure)
     else:
         print_table(arms, summary, alias)
         results = verdicts(summary)
