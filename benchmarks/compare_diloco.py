@@ -53,7 +53,7 @@ from typing import Any
 
 from benchmarks import diloco_matrix
 from benchmarks.diloco_arm import Arm, Shape
-from benchmarks.diloco_data import CORPORA, FAMILIES, FAMILY_LR, SCHEDULES
+from benchmarks.diloco_data import CORPORA, SCHEDULES, check_family, family_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -302,6 +302,13 @@ def plot(path: Path, arms: dict[str, Arm], runs: dict[str, list[dict[str, Any]]]
     plt.close(fig)
 
 
+def _family(name: str) -> str:
+    try:
+        return check_family(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"one seed, arms {', '.join(QUICK)}")
@@ -313,7 +320,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick 1)")
     p.add_argument("--model", choices=sorted(MODELS), default="bench",
                    help="bench: 128x2 Llama, seq 64 (default); main: the main job's 128x4 Llama, seq 128")
-    p.add_argument("--family", choices=FAMILIES, help="model family of the arms (default llama; not with the matrix)")
+    p.add_argument("--family", type=_family, help="model family of the arms: llama (default), gpt2, neox, or a "
+                   "Llama with some of GPT-2's and NeoX's parts, e.g. llama+bias+ln (diloco_data.LLAMA_PARTS); "
+                   "not with the matrix")
     p.add_argument("--corpus", choices=CORPORA, help="text of the arms (default help; not with the matrix)")
     p.add_argument("--schedule", choices=SCHEDULES, help="learning-rate schedule (default constant; not with the "
                    "matrix)")
@@ -464,7 +473,7 @@ def base_shape(args: argparse.Namespace) -> Shape:
     takes that family's rate (diloco_data.FAMILY_LR) unless `--lr` is given."""
     lr = args.lr
     if lr is None and args.family is not None and args.model == "bench":
-        lr = FAMILY_LR[args.family]
+        lr = family_lr(args.family)
     given = {"steps": args.steps, "lr": lr, "family": args.family, "corpus": args.corpus,
              "schedule": args.schedule}
     return Shape(**{**asdict(MODELS[args.model]), **{k: v for k, v in given.items() if v is not None}})

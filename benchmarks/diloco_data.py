@@ -20,6 +20,9 @@ The families, each built from a config with the same width, depth and sequence l
   GELU, attention and MLP side by side on one residual, separate input and output embeddings. It
   shares GPT-2's norm, activation and biases and the Llama's rotary positions, so where the two
   part ways it says which side a third family falls on.
+
+A Llama can also take, one by one, what GPT-2 and NeoX have and it lacks (`llama+bias+ln`, …;
+LLAMA_PARTS names them), so a gap between the families can be laid at one part's door or at none.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ EVAL_BLOCKS = 512  # a longer held-out split is thinned to this many blocks, eve
 # NeoX: the mean over both schedules is best at 3e-3; 2e-3 is 0.7% better (constant) and 1.4% worse
 # (cosine), 1.5e-3 1.7% and 4.1% worse, 4e-3 2.5% and 0.2% worse with three times the spread of seeds.
 FAMILY_LR = {"llama": 1.5e-3, "gpt2": 2e-3, "neox": 3e-3}
+# What GPT-2 and NeoX have that the Llama lacks, each a change to its config (or its norms):
+LLAMA_PARTS = {
+    "bias": "a bias on every linear layer",
+    "ln": "LayerNorm (with a bias) in place of RMSNorm",
+    "gelu": "GELU in place of SiLU in the gated MLP",
+    "untied": "separate input and output embeddings",
+    "wide": "an MLP 4x the width, as GPT-2's and NeoX's",
+    "mha": "as many key/value heads as query heads",
+}
 
 
 @cache
@@ -103,8 +115,50 @@ def held_out(corpus: str, seq_len: int) -> torch.Tensor:
     return out[torch.linspace(0, len(out) - 1, EVAL_BLOCKS).long()]
 
 
+def check_family(family: str) -> str:
+    """`family` if it names one: a family of FAMILIES, or `llama+PART+...` with parts of LLAMA_PARTS."""
+    base, *parts = family.split("+")
+    if base not in FAMILIES or (parts and base != "llama"):
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}, or llama+PART+... "
+                         f"with parts {', '.join(LLAMA_PARTS)}")
+    if unknown := [part for part in parts if part not in LLAMA_PARTS]:
+        raise ValueError(f"family {family!r}: unknown part {unknown[0]!r}; known: {', '.join(LLAMA_PARTS)}")
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"family {family!r} names a part twice")
+    return family
+
+
+def family_lr(family: str) -> float:
+    """The peak learning rate of `family`: its base family's (a Llama with parts takes the Llama's)."""
+    return FAMILY_LR[check_family(family).split("+")[0]]
+
+
+def llama_with(parts: list[str], hidden: int, layers: int, seq_len: int, seed: int) -> torch.nn.Module:
+    """The bench Llama (`examples/hf_tiny_llama.py`'s config) with LLAMA_PARTS `parts`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    width = 4 * hidden if "wide" in parts else hidden * 8 // 3 // 8 * 8
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=width,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4 if "mha" in parts else 2,
+        max_position_embeddings=seq_len, tie_word_embeddings="untied" not in parts, attention_bias="bias" in parts,
+        mlp_bias="bias" in parts, hidden_act="gelu" if "gelu" in parts else "silu", bos_token_id=None,
+        eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    if "ln" in parts:  # LayerNorm's init (ones, zeros) draws nothing: the other weights stay those of `seed`
+        for layer in model.model.layers:
+            layer.input_layernorm = torch.nn.LayerNorm(hidden, eps=1e-5)
+            layer.post_attention_layernorm = torch.nn.LayerNorm(hidden, eps=1e-5)
+        model.model.norm = torch.nn.LayerNorm(hidden, eps=1e-5)
+    return model
+
+
 def build_model(family: str, hidden: int, layers: int, seq_len: int, seed: int) -> torch.nn.Module:
     """A causal LM of `family` from a config, its weights drawn from `seed`."""
+    if family.startswith("llama+"):
+        return llama_with(check_family(family).split("+")[1:], hidden, layers, seq_len, seed)
     if family == "llama":
         return example().build_model(argparse.Namespace(hidden=hidden, layers=layers, seq_len=seq_len, seed=seed))
     if family == "gpt2":
@@ -141,4 +195,5 @@ def lr_factor(schedule: str, warmup: int, steps: int, step: int) -> float:
     raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
 
 
-__all__ = ["CORPORA", "FAMILIES", "FAMILY_LR", "SCHEDULES", "build_model", "held_out", "lr_factor", "shard"]
+__all__ = ["CORPORA", "FAMILIES", "FAMILY_LR", "LLAMA_PARTS", "SCHEDULES", "build_model", "check_family", "family_lr",
+           "held_out", "lr_factor", "shard"]

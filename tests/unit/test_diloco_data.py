@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import re
 from dataclasses import asdict
 
 import pytest
@@ -114,11 +115,48 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
     assert slow["drop"].fleet_share == slow["yeto-slow"].fleet_share == 1.0
 
 
+def test_a_llama_takes_gpt2s_and_neoxs_parts_one_by_one() -> None:
+    plain = diloco_data.build_model("llama", 32, 2, 16, seed=3)
+    assert not any(name.endswith(".bias") for name, _ in plain.named_parameters())
+    biased = diloco_data.build_model("llama+bias", 32, 2, 16, seed=3)
+    layer = biased.model.layers[0]
+    assert layer.self_attn.q_proj.bias is not None and layer.mlp.up_proj.bias is not None
+    every = diloco_data.build_model("llama+" + "+".join(diloco_data.LLAMA_PARTS), 32, 2, 16, seed=3)
+    config = every.config
+    assert config.hidden_act == "gelu" and config.intermediate_size == 4 * 32
+    assert config.num_key_value_heads == config.num_attention_heads and not config.tie_word_embeddings
+    assert isinstance(every.model.norm, torch.nn.LayerNorm) and every.model.norm.bias is not None
+    assert all(isinstance(layer.input_layernorm, torch.nn.LayerNorm) for layer in every.model.layers)
+    assert every.get_output_embeddings().weight.data_ptr() != every.model.embed_tokens.weight.data_ptr()
+    # A part that draws no weights leaves the rest as the plain Llama's: the same seed, the same start.
+    normed = diloco_data.build_model("llama+ln", 32, 2, 16, seed=3)
+    drawn = {n: p for n, p in plain.named_parameters() if "norm" not in n}
+    assert all(torch.equal(p, drawn[n]) for n, p in normed.named_parameters() if "norm" not in n)
+    x = torch.randint(0, 256, (2, 16))
+    assert math.isfinite(every(input_ids=x, labels=x).loss.item())
+    assert diloco_data.family_lr("llama+bias+ln") == diloco_data.FAMILY_LR["llama"]
+
+
+@pytest.mark.parametrize(("family", "says"), [
+    ("llama+nope", "unknown part 'nope'"), ("gpt2+bias", "unknown family 'gpt2+bias'"),
+    ("llama+ln+ln", "names a part twice"), ("bert", "unknown family 'bert'"),
+])
+def test_a_misspelt_family_is_refused_in_one_line(family: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        diloco_data.build_model(family, 32, 1, 16, 0)
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--family", family])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--family" in err and says in err
+
+
 def test_the_bench_model_of_another_family_takes_that_familys_rate() -> None:
     assert base_shape(parse(["--family", "gpt2"])).lr == diloco_data.FAMILY_LR["gpt2"]
     assert base_shape(parse(["--family", "gpt2", "--lr", "1e-3"])).lr == 1e-3
     assert base_shape(parse([])).lr == Shape().lr == diloco_data.FAMILY_LR["llama"]
     assert base_shape(parse(["--model", "main", "--family", "gpt2"])).lr == 3e-3  # its own rate
+    assert base_shape(parse(["--family", "llama+gelu+wide"])).lr == diloco_data.FAMILY_LR["llama"]
 
 
 def test_baselines_reuse_runs_recorded_before_a_field_was_added() -> None:
