@@ -134,19 +134,20 @@ def family_lr(family: str) -> float:
 
 
 def llama_with(parts: list[str], hidden: int, layers: int, seq_len: int, seed: int) -> torch.nn.Module:
-    """The bench Llama (`examples/hf_tiny_llama.py`'s config) with LLAMA_PARTS `parts`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    width = 4 * hidden if "wide" in parts else hidden * 8 // 3 // 8 * 8
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=width,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4 if "mha" in parts else 2,
-        max_position_embeddings=seq_len, tie_word_embeddings="untied" not in parts, attention_bias="bias" in parts,
-        mlp_bias="bias" in parts, hidden_act="gelu" if "gelu" in parts else "silu", bos_token_id=None,
-        eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    """The bench Llama (`examples/hf_tiny_llama.py`'s) with LLAMA_PARTS `parts`."""
+    overrides: dict[str, Any] = {}
+    if "bias" in parts:
+        overrides.update(attention_bias=True, mlp_bias=True)
+    if "gelu" in parts:
+        overrides.update(hidden_act="gelu")
+    if "untied" in parts:
+        overrides.update(tie_word_embeddings=False)
+    if "wide" in parts:
+        overrides.update(intermediate_size=4 * hidden)
+    if "mha" in parts:
+        overrides.update(num_key_value_heads=4)
+    shape = argparse.Namespace(hidden=hidden, layers=layers, seq_len=seq_len, seed=seed)
+    model = example().build_model(shape, **overrides)
     if "ln" in parts:  # LayerNorm's init (ones, zeros) draws nothing: the other weights stay those of `seed`
         for layer in model.model.layers:
             layer.input_layernorm = torch.nn.LayerNorm(hidden, eps=1e-5)

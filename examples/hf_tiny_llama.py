@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -55,15 +56,17 @@ def splits(seq_len: int, shard: int, num_shards: int, eval_fraction: float = 0.0
     return ByteBlocks(train[shard * size : (shard + 1) * size], seq_len), ByteBlocks(held_out, seq_len)
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, **config: Any) -> torch.nn.Module:
+    """The tiny Llama, its weights drawn from `args.seed`; `config` overrides LlamaConfig fields."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=args.seq_len, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
         pad_token_id=None,
     )
+    config = LlamaConfig(**{**fields, **config})
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(config)
 
