@@ -70,6 +70,8 @@ LISTENING = re.compile(r"^yeto syncer listening on (\S+):(\d+)\s*$")
 FRAGMENTS = 4
 EVAL_BATCH = 32
 CURVE_POINTS = 6  # a run is cut in this many equal pieces; the held-out loss is taken at every cut
+WALL_POINTS = 24  # threaded arms: the global model is also taken every steps/WALL_POINTS steps of island 0,
+# on past `steps` when a fleet budget lets it, for the loss against seconds of training (`wall_curve`)
 
 
 Trained = tuple[int, list[bool]]  # (tokens trained by all islands, whether each installed the final cut)
@@ -177,7 +179,8 @@ class Run:
         self.held_out = diloco_data.held_out(shape.corpus, shape.seq_len)
         self.everything = diloco_data.shard(shape.corpus, shape.seq_len, 0, 1)
         self.curve: list[tuple[int, float]] = []
-        self.wall_curve: list[tuple[float, float]] = []  # (seconds of training, held-out loss): threaded arms
+        # (seconds of training, held-out loss, tokens trained by the fleet): threaded arms
+        self.wall_curve: list[tuple[float, float, int]] = []
 
     def _build(self) -> torch.nn.Module:
         s = self.shape
@@ -325,7 +328,8 @@ class Run:
         left = [round(arm.fleet_share * max(arm.learners, arm.shards) * s.steps)]
         tokens = [0] * len(trainees)
         points = self.curve_steps()
-        snapshots: list[tuple[int, float, list[torch.Tensor]]] = []
+        every = max(1, s.steps // WALL_POINTS)
+        snapshots: list[tuple[int, float, bool, list[torch.Tensor]]] = []
         began = time.monotonic()
 
         def may_step(step: int) -> bool:
@@ -347,17 +351,19 @@ class Run:
                 tokens[i] += n
                 if session.step(n):
                     raise RuntimeError(f"{arm.name}: the syncer finalized island {i} at step {step}")
-                if i == 0 and step in points:  # taken now, evaluated after: an island never stops for it
-                    snapshots.append((sum(tokens), time.monotonic() - began,
+                if i == 0 and (step in points or step % every == 0):  # taken now, evaluated after:
+                    # an island never stops for it
+                    snapshots.append((sum(tokens), time.monotonic() - began, step in points,
                                       [state.anchor.clone() for state in session.fragments]))
                 step += 1
             return bool(session.finish())
 
         finals = together([partial(island, i) for i in range(len(trainees))], timeout_s=4 * 3600)
-        for tokens_then, seconds, anchors in snapshots:
+        for tokens_then, seconds, on_curve, anchors in snapshots:
             loss = self._global_loss(sessions[0], viewer, anchors)
-            self.curve.append((tokens_then, loss))
-            self.wall_curve.append((round(seconds, 2), loss))
+            if on_curve:
+                self.curve.append((tokens_then, loss))
+            self.wall_curve.append((round(seconds, 2), loss, tokens_then))
         return sum(tokens), finals
 
     def _global_loss(self, session: Any, viewer: torch.nn.Module, anchors: list[torch.Tensor] | None = None) -> float:

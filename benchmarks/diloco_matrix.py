@@ -19,7 +19,9 @@ it: islands on threads of their own, the syncer's own pacing, quorum and grace).
   training until they are taken, so the fast ones take the steps the slow one cannot. At equal
   tokens leaving the slow island out costs time instead: `drop-time` is `drop` stopped when
   `yeto-slow` would be done (three islands at full speed, `equal_time_share` of the budget), the
-  question of a fleet with a deadline: does adding a slow island help?
+  question of a fleet with a deadline: does adding a slow island help? `yeto-slow-long` is
+  `yeto-slow` trained on to LONG_SHARE of the budget, for the time its global model takes to reach
+  `wait`'s final loss (`time_to`), which equal tokens alone cannot say when it stops short of it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks.diloco_data import CORPORA, FAMILIES, FAMILY_LR, SCHEDULES
 GAP_GOAL = 0.8  # M = 2, H = 24: share of the alone−dp gap closed
 DEEP_FAMILIES = FAMILIES[:2]  # the families of the H = 96, M = 4 and M = 8 cells
 SLOW_FACTOR = 4
+LONG_SHARE = 1.5  # yeto-slow-long's budget: the fleet's equal-token steps, and half again
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class Cell:
             return [*base,
                     Arm(f"{c}:yeto-slow", "yeto", unpaced=True, slow=SLOW_FACTOR, fleet_budget=True,
                         note=f"unpaced, island {m - 1} at 1/{SLOW_FACTOR} speed, shipped quorum and grace", **common),
+                    Arm(f"{c}:yeto-slow-long", "yeto", unpaced=True, slow=SLOW_FACTOR, fleet_budget=True,
+                        fleet_share=LONG_SHARE, note=f"as yeto-slow, on to {LONG_SHARE:g}x the tokens: when it "
+                        "reaches wait's loss", **common),
                     Arm(f"{c}:drop", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c, fleet_budget=True,
                         note=f"unpaced, the slow island left out ({m - 1} islands, its shard untrained)"),
                     Arm(f"{c}:drop-time", "yeto", unpaced=True, learners=m - 1, shards=m, cell=c, fleet_budget=True,
@@ -136,8 +142,8 @@ def rows(cells: Iterable[Cell], runs: dict[str, list[dict[str, Any]]]) -> list[d
     for cell in cells:
         dp, alone = _mean(runs, f"{cell.name}:dp"), _mean(runs, f"{cell.name}:alone")
         for arm in cell.arms():
-            if arm.kind != "yeto" or not runs.get(arm.name):
-                continue
+            if arm.kind != "yeto" or not runs.get(arm.name) or arm.fleet_share > 1:
+                continue  # an arm trained past equal tokens is judged by when it gets there (`time_to`)
             losses = [r["final_loss"] for r in runs[arm.name]]
             mean = statistics.fmean(losses)
             row: dict[str, Any] = {"cell": cell.name, "arm": arm.name.split(":", 1)[1], "mean": mean,
@@ -175,7 +181,37 @@ def slow_verdicts(cells: Iterable[Cell], runs: dict[str, list[dict[str, Any]]]) 
             lines.append((f"{c}: reaches lockstep's loss in less time",
                           f"{slow:.4f} in {slow_s:.0f} s vs {wait:.4f} in {wait_s:.0f} s",
                           slow <= wait and slow_s < wait_s))
+        long = runs.get(f"{c}:yeto-slow-long") or []
+        if long and wait is not None and wait_s is not None:
+            budget = _mean(runs, f"{c}:wait", "tokens") or 1.0
+            reached = [time_to(r.get("wall_curve", []), wait) for r in long]
+            if all(r is not None for r in reached):
+                seconds = statistics.fmean(r[0] for r in reached if r is not None)
+                tokens = statistics.fmean(r[1] for r in reached if r is not None) / budget
+                lines.append((f"{c}: training on, reaches lockstep's loss sooner",
+                              f"{wait:.4f} at {seconds:.0f} s ({tokens:.2f}x its tokens) vs {wait_s:.0f} s",
+                              seconds < wait_s))
+            else:
+                lines.append((f"{c}: training on, reaches lockstep's loss sooner",
+                              f"{sum(r is None for r in reached)} of {len(reached)} seeds never reach {wait:.4f}",
+                              False))
     return lines
+
+
+def time_to(wall_curve: list[Any], target: float) -> tuple[float, float] | None:
+    """(seconds, tokens) at which a run's held-out loss first reaches `target`, interpolated
+    between the last point above it and the first at or below; None if it never does. A point is
+    (seconds, loss, tokens), as `diloco_arm`'s threaded arms record them."""
+    before: Any = None
+    for point in wall_curve:
+        seconds, loss, tokens = point[0], point[1], point[2]
+        if loss <= target:
+            if before is None:
+                return float(seconds), float(tokens)
+            share = (before[1] - target) / (before[1] - loss)
+            return (before[0] + share * (seconds - before[0]), before[2] + share * (tokens - before[2]))
+        before = (float(seconds), float(loss), float(tokens))
+    return None
 
 
 def print_rows(table: list[dict[str, Any]]) -> None:
@@ -237,4 +273,4 @@ def plot(path: Path, cells: list[Cell], runs: dict[str, list[dict[str, Any]]]) -
     plt.close(fig)
 
 
-__all__ = ["Cell", "all_cells", "pick", "plot", "print_rows", "rows", "slow_verdicts"]
+__all__ = ["Cell", "all_cells", "pick", "plot", "print_rows", "rows", "slow_verdicts", "time_to"]

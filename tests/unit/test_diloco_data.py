@@ -113,6 +113,9 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
     assert slow["drop-time"].learners == 3 and slow["drop-time"].shards == 4 and slow["drop-time"].fleet_budget
     assert round(slow["drop-time"].fleet_share * 4 * 576) == 2127 == 3 * 709
     assert slow["drop"].fleet_share == slow["yeto-slow"].fleet_share == 1.0
+    long = slow["yeto-slow-long"]  # yeto-slow trained on, past equal tokens
+    assert long.fleet_share == diloco_matrix.LONG_SHARE > 1 and long.fleet_budget and long.unpaced
+    assert (long.slow, long.learners) == (slow["yeto-slow"].slow, slow["yeto-slow"].learners)
 
 
 def test_a_llama_takes_gpt2s_and_neoxs_parts_one_by_one() -> None:
@@ -187,3 +190,34 @@ def test_the_slow_cell_is_judged_at_equal_tokens_and_in_equal_time() -> None:
     assert verdicts == {"with the slow island beats without it, at equal tokens": False,
                         "with the slow island beats without it, in equal time": True,
                         "reaches lockstep's loss in less time": True}
+
+
+def test_time_to_a_loss_is_interpolated_between_the_points_around_it() -> None:
+    curve = [(10.0, 2.0, 100), (20.0, 1.6, 200), (30.0, 1.4, 300), (40.0, 1.5, 400)]
+    assert diloco_matrix.time_to(curve, 1.5) == pytest.approx((25.0, 250.0))  # half way from 1.6 to 1.4
+    assert diloco_matrix.time_to(curve, 1.4) == pytest.approx((30.0, 300.0))  # reached exactly at a point
+    assert diloco_matrix.time_to(curve, 2.5) == (10.0, 100.0)  # below it from the first point
+    assert diloco_matrix.time_to(curve, 1.3) is None  # never reached
+    assert diloco_matrix.time_to([], 1.0) is None
+
+
+def test_the_slow_cell_trained_on_is_judged_by_when_it_reaches_lockstep() -> None:
+    cell = diloco_matrix.Cell("llama", "code", "constant", 24, 4, slow=True)
+    base = {f"{cell.name}:{arm}": [{"final_loss": loss, "train_s": s, "tokens": 1000}]
+            for arm, loss, s in (("yeto-slow", 1.54, 80.0), ("wait", 1.53, 440.0))}
+    reach = [(60.0, 1.6, 800), (100.0, 1.52, 1200), (120.0, 1.51, 1500)]
+    never = [(60.0, 1.6, 800), (120.0, 1.55, 1500)]
+
+    def verdict(curves: list[list[tuple[float, float, int]]]) -> tuple[str, bool]:
+        runs = {**base, f"{cell.name}:yeto-slow-long": [{"final_loss": c[-1][1], "train_s": c[-1][0], "wall_curve": c,
+                                                         "tokens": c[-1][2]} for c in curves]}
+        lines = {what.split(": ", 1)[1]: (said, met) for what, said, met in diloco_matrix.slow_verdicts([cell], runs)}
+        assert not lines["reaches lockstep's loss in less time"][1]  # at equal tokens it stops short
+        # the long arm has no row of the equal-token table
+        assert {r["arm"] for r in diloco_matrix.rows([cell], runs)} == {"yeto-slow", "wait"}
+        return lines["training on, reaches lockstep's loss sooner"]
+
+    said, met = verdict([reach, reach])
+    assert met and said == "1.5300 at 95 s (1.15x its tokens) vs 440 s"
+    said, met = verdict([reach, never])
+    assert not met and said == "1 of 2 seeds never reach 1.5300"
