@@ -184,7 +184,9 @@ def slow_verdicts(cells: Iterable[Cell], runs: dict[str, list[dict[str, Any]]]) 
         long = runs.get(f"{c}:yeto-slow-long") or []
         if long and wait is not None and wait_s is not None:
             budget = _mean(runs, f"{c}:wait", "tokens") or 1.0
-            reached = [time_to(r.get("wall_curve", []), wait) for r in long]
+            # the final cut's model ends each curve: it is there when training ends
+            reached = [time_to([*r.get("wall_curve", []), (r["train_s"], r["final_loss"], r["tokens"])], wait)
+                       for r in long]
             if all(r is not None for r in reached):
                 seconds = statistics.fmean(r[0] for r in reached if r is not None)
                 tokens = statistics.fmean(r[1] for r in reached if r is not None) / budget

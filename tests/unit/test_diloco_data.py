@@ -221,3 +221,8 @@ def test_the_slow_cell_trained_on_is_judged_by_when_it_reaches_lockstep() -> Non
     assert met and said == "1.5300 at 95 s (1.15x its tokens) vs 440 s"
     said, met = verdict([reach, never])
     assert not met and said == "1 of 2 seeds never reach 1.5300"
+    late = [(60.0, 1.6, 800), (120.0, 1.55, 1400)]  # the final cut's model, at train_s, ends the curve
+    runs = {**base, f"{cell.name}:yeto-slow-long": [{"final_loss": 1.50, "train_s": 130.0, "wall_curve": late,
+                                                     "tokens": 1500}]}
+    lines = {what.split(": ", 1)[1]: said for what, said, _ in diloco_matrix.slow_verdicts([cell], runs)}
+    assert lines["training on, reaches lockstep's loss sooner"] == "1.5300 at 124 s (1.44x its tokens) vs 440 s"
