@@ -22,6 +22,7 @@ from syncer.core.outbox import Outbox
 from syncer.core.rounds import Attempt, smoothed
 from syncer.core.run_state import RunState
 from syncer.durability.checkpoint import ledger_key
+from syncer.merge.merge import raw_weight
 from syncer.merge.round_merge import MergeOutcome
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import Error
@@ -55,6 +56,7 @@ class Commit:
         run.rounds.commit(attempt.round, reason)
         state.merged_by[f] = (attempt.round, sorted(a.learner_id for a in answers))
         run.merged_versions.setdefault(f, {}).update((a.learner_id, state.versions[f]) for a in answers)
+        run.merged_weights.update((a.learner_id, raw_weight(a.tokens, a.steps)) for a in answers)
         for a in answers:
             key = ledger_key(a.learner_id, a.generation)
             state.ledger[key] = state.ledger.get(key, 0) + a.tokens

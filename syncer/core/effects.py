@@ -100,6 +100,7 @@ class Merge:
     segments: tuple[Segment, ...]
     lent: FragmentTensors  # the fragment's committed tensors: the shell writes these and hands them back
     prepared: int | None = None
+    finished_weight: float = 0.0  # what the learners that finished stand for, as zero deltas (`rounds.py`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,7 @@ class Prepare:
     fragment: int
     answers: tuple[Answer, ...]
     segments: tuple[Segment, ...]
+    finished_weight: float = 0.0  # as Merge's
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ from syncer.core.rounds import (
     answer_steps,
     attempt_quorum,
     decide_round,
+    finished_weight,
     fragment_of_round,
     pipeline_depth,
     round_interval,
@@ -407,6 +408,9 @@ class SyncerProtocol:
                 run.rounds.enter_grace(r, quorum_at=decision.quorum_at, grace_s=decision.grace_s,
                                        reason=decision.reason)
             if decision.verdict is Verdict.COMMIT:
+                # frozen now, so the round's Prepare and Merge weigh it alike
+                attempt.finished_weight = finished_weight(attempt.answers.values(), run.lives.finished(),
+                                                          run.merged_weights)
                 run.rounds.close(r, decision.reason, live)
             elif decision.verdict is Verdict.RETRY:
                 self.commits.discard(attempt, decision.reason)
@@ -430,7 +434,8 @@ class SyncerProtocol:
                     self._preparing.discard(prepared)
                     self._prepared.discard(prepared)
                 run.emit(Merge(closed.round, f, self._aged(f, last.answers.values()), tuple(self.segments[f]),
-                               FragmentTensors.of(run.state, f), prepared=prepared))
+                               FragmentTensors.of(run.state, f), prepared=prepared,
+                               finished_weight=last.finished_weight))
                 return  # the rest of the turn comes when the merge is back
         self._maybe_launch(live)
 
@@ -454,7 +459,8 @@ class SyncerProtocol:
             ready = entry.state is RoundState.CLOSED and a is not None and f not in busy
             if ready and a is not None and a.attempt not in self._preparing:
                 self._preparing.add(a.attempt)
-                run.emit(Prepare(entry.round, a.attempt, f, self._aged(f, a.answers.values()), tuple(self.segments[f])))
+                run.emit(Prepare(entry.round, a.attempt, f, self._aged(f, a.answers.values()), tuple(self.segments[f]),
+                                 finished_weight=a.finished_weight))
             busy.add(f)
 
     def _maybe_launch(self, live: dict[int, int]) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,7 @@ class Attempt:
     answers: dict[int, Answer] = dataclasses.field(default_factory=dict)
     quorum_at: float | None = None  # when quorum was first reached
     grace_s: float = 0.0  # the grace window chosen then
+    finished_weight: float = 0.0  # raw weight of the learners that finished before it closed (`finished_weight`)
 
     def counted(self, carry_counts: bool) -> int:
         return sum(1 for a in self.answers.values() if carry_counts or not a.carried)
@@ -135,6 +137,16 @@ def answer_ages(answers: Iterable[Answer], version: int, merged: Mapping[int, in
     steps taken on bases up to k versions old and rebased forward, is k. A learner with no answer
     merged yet counts as fresh."""
     return tuple(dataclasses.replace(a, age=max(0, version - merged.get(a.learner_id, version))) for a in answers)
+
+
+def finished_weight(answers: Iterable[Answer], finished: Iterable[int], merged_weights: Mapping[int, float]) -> float:
+    """The raw merge weight (tokens² / steps, as `learner_weights` counts it) that the learners
+    which finished training stand for in a round they did not answer: each its last merged
+    answer's. A finished learner still belongs to the fleet the global model averages, with no
+    more change to add; without it, the rounds after the others finished would merge whoever is
+    left as the whole fleet (a straggler's own shard at full weight, a stale answer undamped)."""
+    answered = {a.learner_id for a in answers}
+    return math.fsum(merged_weights.get(lid, 0.0) for lid in finished if lid not in answered)
 
 
 def answer_steps(sync_interval_steps: int, num_fragments: int, pipeline: int) -> int:

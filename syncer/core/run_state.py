@@ -49,6 +49,9 @@ class RunState:
     # learner process's first join): how stale its next answer is (`answer_ages`). Not durable: a
     # restarted syncer counts every learner's next answer as fresh.
     merged_versions: dict[int, dict[int, int]] = field(default_factory=dict)
+    # learner -> the raw merge weight (tokens² / steps) of its last merged answer: what it stands for
+    # in the rounds after it finished training (`finished_weight`). Not durable, as above.
+    merged_weights: dict[int, float] = field(default_factory=dict)
     # round -> learners whose answer to it is merged, for the recent rounds a late push may still
     # name: a push sent twice is refused instead of carried into a later round and counted again.
     # Kept in the checkpoint (`memory.py`), so a resumed syncer refuses it too.

@@ -145,9 +145,17 @@ class Flattener(Protocol):
     def flatten(self, matrices: Sequence[tuple[str, torch.Tensor]]) -> None: ...
 
 
-def learner_weights(tokens: Sequence[int], steps: Sequence[int], ages: Sequence[int] | None = None) -> torch.Tensor:
+def raw_weight(tokens: int, steps: int, age: int = 0) -> float:
+    """A learner's merge weight before normalisation: tokens² / steps / (1 + age)."""
+    return float(tokens) * float(tokens) / float(steps) / (1.0 + age)
+
+
+def learner_weights(tokens: Sequence[int], steps: Sequence[int], ages: Sequence[int] | None = None,
+                    finished: float = 0.0) -> torch.Tensor:
     """Per-learner merge weights w_m = tokens_m² / steps_m / (1 + age_m), normalised to sum 1
-    (float64, CPU).
+    (float64, CPU), or to less than 1 when `finished` (the raw weight of learners that finished
+    training, each a zero delta) shares the total: the merge is then scaled by what the answers
+    stand for in the fleet.
 
     A learner that processed more tokens per step (a larger effective batch) and more tokens in
     total counts for more. `ages`: how many commits of the fragment a learner's delta missed (its
@@ -169,10 +177,13 @@ def learner_weights(tokens: Sequence[int], steps: Sequence[int], ages: Sequence[
             raise ValueError(f"learner_weights: learner {m} reported {t} tokens; must be >= 0")
         if age < 0:
             raise ValueError(f"learner_weights: learner {m} has age {age}; must be >= 0")
-        raw.append(float(t) * float(t) / float(s) / (1.0 + age))
+        raw.append(raw_weight(t, s, age))
+    if not (math.isfinite(finished) and finished >= 0.0):
+        raise ValueError(f"learner_weights: finished learners' weight {finished}; must be finite and >= 0")
     total = math.fsum(raw)
     if total == 0.0:
         return torch.full((len(raw),), 1.0 / len(raw), dtype=torch.float64)
+    total = math.fsum([total, finished]) if finished else total
     return torch.tensor([w / total for w in raw], dtype=torch.float64)
 
 

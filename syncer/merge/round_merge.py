@@ -120,22 +120,24 @@ class RoundMerger:
         self.threads = merging.merge_threads
         self.workspace = MergeWorkspace()
 
-    def prepare(self, momentum: torch.Tensor, answers: list[Answer], segments: list[Segment]) -> PreparedMerge:
+    def prepare(self, momentum: torch.Tensor, answers: list[Answer], segments: list[Segment],
+                finished: float = 0.0) -> PreparedMerge:
         """The heavy half of a merge, on any thread (its own scratch: the workspace is the commit's)."""
         return prepare_merge(answers, momentum=momentum, segments=segments, heloco=self.heloco,
-                             threads=self.threads, iso=self.iso)
+                             threads=self.threads, iso=self.iso, finished=finished)
 
     def merge(self, lent: FragmentTensors, answers: list[Answer], segments: list[Segment],
-              prepared: PreparedMerge | None = None) -> tuple[MergeOutcome, FragmentTensors]:
+              prepared: PreparedMerge | None = None, finished: float = 0.0) -> tuple[MergeOutcome, FragmentTensors]:
         """Merge `answers` into the lent tensors, in place (the caller has made them writable:
-        `leases.py`), and hand them back; `prepared`: its heavy half, done ahead by `prepare`."""
+        `leases.py`), and hand them back; `prepared`: its heavy half, done ahead by `prepare`;
+        `finished`: the raw weight of the learners that finished training (`learner_weights`)."""
         # The fragment's version counts its outer steps: the momentum's warm-up resumes with it.
         outer_state: OuterState = {STEPS_KEY: lent.outer_steps}
         if lent.accum is not None:
             outer_state.update({ACCUM_KEY: lent.accum, COUNT_KEY: lent.accum_count})
         out = merge_round(answers, params=lent.params, momentum=lent.momentum, outer_state=outer_state,
                           segments=segments, outer=self.outer, heloco=self.heloco, threads=self.threads,
-                          workspace=self.workspace, iso=self.iso, prepared=prepared)
+                          workspace=self.workspace, iso=self.iso, prepared=prepared, finished=finished)
         if out.answers and lent.accum is not None:
             accum = outer_state[ACCUM_KEY]
             assert isinstance(accum, torch.Tensor)
@@ -174,6 +176,7 @@ def prepare_merge(
     threads: int = 1,
     workspace: MergeWorkspace | None = None,
     iso: Flattener | None = None,
+    finished: float = 0.0,
 ) -> PreparedMerge:
     """Weights and outer gradient of `answers` (RDA, and with `--merge iso` the SVDs). It reads
     the fragment's momentum (HeLoCo) and no params, so it may run before the rounds ahead of it
@@ -200,7 +203,8 @@ def prepare_merge(
     weights = grad = None
     if ordered:
         weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
-                                        threads=threads, workspace=workspace, iso=iso, stacked=(deltas, sq))
+                                        threads=threads, workspace=workspace, iso=iso, stacked=(deltas, sq),
+                                        finished=finished)
     return PreparedMerge(ordered, norms, overflowed, weights, grad, (time.perf_counter() - t0) * 1000)
 
 
@@ -217,6 +221,7 @@ def merge_round(
     workspace: MergeWorkspace | None = None,
     iso: Flattener | None = None,
     prepared: PreparedMerge | None = None,
+    finished: float = 0.0,
 ) -> MergeOutcome:
     """Merge one fragment's answers into `params` / `momentum` (in place), never into NaN or Inf.
 
@@ -229,14 +234,14 @@ def merge_round(
     """
     t0 = time.perf_counter()
     first = prepared or prepare_merge(answers, momentum=momentum, segments=segments, heloco=heloco,
-                                      threads=threads, workspace=workspace, iso=iso)
+                                      threads=threads, workspace=workspace, iso=iso, finished=finished)
     spent_ms = first.ms if prepared is not None else 0.0  # its time counts as the merge's
     ordered, norms, overflowed = list(first.ordered), first.norms, dict(first.overflowed)
     weights, grad = first.weights, first.grad
     while ordered:
         if grad is None or weights is None:
             weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
-                                            threads=threads, workspace=workspace, iso=iso)
+                                            threads=threads, workspace=workspace, iso=iso, finished=finished)
         scratch = None if workspace is None else workspace.take("step", (min(params.numel(), STEP_CHUNK),),
                                                                 params.device)
         grad_norm = accurate_norm(grad)
@@ -270,11 +275,12 @@ def _rows(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspa
 def _outer_gradient(
     ordered: list[Answer], *, momentum: torch.Tensor, segments: list[Segment],
     heloco: HelocoConfig | None, threads: int, workspace: MergeWorkspace | None, iso: Flattener | None = None,
-    stacked: tuple[Rows, torch.Tensor] | None = None,
+    stacked: tuple[Rows, torch.Tensor] | None = None, finished: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The learners' weights and the fragment's outer gradient; `stacked`: the `ordered` deltas
-    stacked already, with their `segment_sq_norms`."""
-    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered])
+    stacked already, with their `segment_sq_norms`; `finished`: as `learner_weights` takes it."""
+    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered],
+                              finished)
     deltas, sq = stacked if stacked is not None else (_rows(ordered, momentum, workspace, heloco), None)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:

@@ -447,7 +447,7 @@ class Coordinator:
         state = self.protocol.state
         assert state is not None
         future = self._preparers.submit(self.merger.prepare, state.momentum[effect.fragment], list(effect.answers),
-                                        list(effect.segments))
+                                        list(effect.segments), effect.finished_weight)
         self._prepared[effect.attempt] = (effect.round, future)
         future.add_done_callback(lambda _: self.post(Prepared(effect.round, effect.attempt)))
 
@@ -466,7 +466,8 @@ class Coordinator:
             # needed. A later round's is kept whatever its attempt number (a relaunch has a higher one).
             for stale in [a for a, (r, fut) in self._prepared.items() if r <= effect.round and fut.done()]:
                 del self._prepared[stale]
-        outcome, back = self.merger.merge(lent, list(effect.answers), list(effect.segments), prepared=prepared)
+        outcome, back = self.merger.merge(lent, list(effect.answers), list(effect.segments), prepared=prepared,
+                                          finished=effect.finished_weight)
         if outcome.answers:  # the commit makes the fragment's next version, and its broadcasts carry this
             layout = self.protocol.layout
             assert layout is not None

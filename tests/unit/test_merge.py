@@ -108,6 +108,18 @@ def test_learner_weights_match_hand_computation() -> None:
     assert learner_weights(tokens, steps).tolist() == pytest.approx(ref_weights(tokens, steps), rel=1e-14)
 
 
+def test_learner_weights_share_the_total_with_learners_that_finished() -> None:
+    # raw 1000, 1000 and 2000 as above; finished learners standing for 4000 halve every weight
+    w = learner_weights([100, 200, 300], [10, 40, 45], finished=4000.0)
+    assert w.tolist() == pytest.approx([0.125, 0.125, 0.25], rel=1e-15)
+    assert learner_weights([100], [10], [3], finished=250.0).tolist() == pytest.approx([0.5])  # 1000/4 stale
+    same = learner_weights([7, 11], [3, 5], [1, 0], finished=0.0)
+    assert torch.equal(same, learner_weights([7, 11], [3, 5], [1, 0]))  # no one finished: the same bits
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="finished learners' weight"):
+            learner_weights([1, 2], [1, 1], finished=bad)
+
+
 def test_learner_weights_one_silent_learner_gets_zero() -> None:
     assert learner_weights([0, 50], [4, 2]).tolist() == [0.0, 1.0]
 

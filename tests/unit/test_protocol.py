@@ -42,7 +42,7 @@ from yeto_core.codecs import F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
-from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, Bcast, Bye, Error, Final, Init, Manifest, Pull, Push
+from yeto_core.wire.messages import BCAST_FULL, BCAST_LAST, Bcast, Bye, Done, Error, Final, Init, Manifest, Pull, Push
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -100,7 +100,8 @@ class Driver:
 
     def merge(self, effect: Merge, prepared: PreparedMerge | None = None) -> Merged:
         """What the shell does with a `Merge`: the real merge, on the tensors the protocol lent."""
-        outcome, back = self.merger.merge(effect.lent, list(effect.answers), list(effect.segments), prepared)
+        outcome, back = self.merger.merge(effect.lent, list(effect.answers), list(effect.segments), prepared,
+                                          finished=effect.finished_weight)
         return Merged(effect.round, outcome, back)
 
 
@@ -199,6 +200,27 @@ def test_a_merge_lends_the_fragments_tensors_and_the_protocol_takes_back_what_th
     outcome, back = d.merger.merge(copied, list(merge.answers), list(merge.segments))
     d.turn(Merged(merge.round, outcome, back))
     assert state.params[0] is back.params and torch.allclose(state.params[0], torch.full((4,), 1.4))
+
+
+def test_a_learner_that_finished_stays_in_the_fleets_average_as_a_zero_delta_at_its_last_weight() -> None:
+    d, pull = started()
+    d.push(0, pull, 1.0)
+    merge = d.push(1, pull, 1.0)[-1]
+    assert isinstance(merge, Merge) and merge.finished_weight == 0.0  # nobody finished
+    committed = d.turn(d.merge(merge))
+    assert d.protocol.shared.merged_weights == {0: 100.0 * 100 / 4, 1: 100.0 * 100 / 4}
+    nxt = sends(committed, Pull)[0].msg
+    assert isinstance(nxt, Pull) and nxt.round == 1
+    # learner 1 finished training: round 1 goes again, learner 0's alone
+    again = [p.msg for p in sends(d.got(1, Done(step=4)), Pull) if p.to.learner_id == 0]
+    assert isinstance(again[-1], Pull) and again[-1].round == 1
+    alone = d.push(0, again[-1], 2.0)[-1]
+    assert isinstance(alone, Merge) and [a.learner_id for a in alone.answers] == [0]
+    assert alone.finished_weight == 100.0 * 100 / 4
+    merged = d.merge(alone)
+    assert merged.outcome.weights == [0.5]  # half of the fleet's weight: learner 1 adds no change
+    record = next(e.record for e in d.turn(merged) if isinstance(e, Record))
+    assert isinstance(record, records.Commit) and record.weights == [0.5]
 
 
 def test_the_broadcast_of_a_fragments_last_round_says_no_pull_will_follow_and_a_rejoin_hears_it_too() -> None:

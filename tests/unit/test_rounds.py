@@ -21,6 +21,7 @@ from syncer.core.rounds import (
     answer_steps,
     attempt_quorum,
     decide_round,
+    finished_weight,
     fragment_of_round,
     grace_window,
     judge_push,
@@ -185,6 +186,13 @@ def test_an_answers_age_counts_the_commits_it_missed() -> None:
     aged = answer_ages(a.answers.values(), 5, merged)
     assert [(x.learner_id, x.age) for x in aged] == [(0, 0), (1, 1), (2, 3), (3, 0)]
     assert all(x.delta is y.delta for x, y in zip(aged, a.answers.values(), strict=True))  # not copied
+
+
+def test_the_learners_that_finished_weigh_in_a_round_they_did_not_answer_as_their_last_answer_did() -> None:
+    a = attempt({0: 1, 1: 1, 2: 1, 3: 1}, 1, (0, 2))
+    merged = {0: 10.0, 1: 20.0, 2: 30.0}  # learner 3 finished before any answer of its was merged
+    assert finished_weight(a.answers.values(), [1, 2, 3], merged) == 20.0  # 2 answered: not counted twice
+    assert finished_weight(a.answers.values(), [], merged) == 0.0
 
 
 # -- carried answers ---------------------------------------------------------------------------
