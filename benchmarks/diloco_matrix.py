@@ -206,7 +206,7 @@ def time_to(wall_curve: list[Any], target: float) -> tuple[float, float] | None:
     (seconds, loss, tokens), as `diloco_arm`'s threaded arms record them."""
     before: Any = None
     for point in wall_curve:
-        seconds, loss, tokens = point[0], point[1], point[2]
+        seconds, loss, tokens = point[:3]
         if loss <= target:
             if before is None:
                 return float(seconds), float(tokens)

@@ -183,7 +183,7 @@ def learner_weights(tokens: Sequence[int], steps: Sequence[int], ages: Sequence[
     total = math.fsum(raw)
     if total == 0.0:
         return torch.full((len(raw),), 1.0 / len(raw), dtype=torch.float64)
-    total = math.fsum([total, finished]) if finished else total
+    total += finished  # one correctly rounded sum: + 0.0 leaves the bits of the answers' own total
     return torch.tensor([w / total for w in raw], dtype=torch.float64)
 
 
