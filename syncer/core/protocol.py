@@ -309,6 +309,9 @@ class SyncerProtocol:
         for other in list(self.shared.links.values()):
             if other.fingerprint != layout.fingerprint:
                 del self.shared.links[other.learner_id]
+                # It never trained this model: forgotten, as one that left before a model is, so the
+                # finale does not wait for it (its `Left` finds no link and changes nothing).
+                self.shared.lives.left(other.learner_id, self.shared.now, trained=False)
                 self.shared.refuse(other, ErrorCode.LAYOUT,
                                    layout_mismatch(other.learner_id, other.fingerprint, layout.fingerprint))
 

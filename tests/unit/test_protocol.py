@@ -290,6 +290,25 @@ def test_a_layout_mismatch_is_recorded_and_closed_with_the_error_sent_first() ->
     assert 1 not in d.protocol.links
 
 
+def test_a_learner_refused_when_the_model_is_pinned_is_forgotten_and_the_finale_does_not_wait_for_it() -> None:
+    """A learner of another model that joined before learner 0 pinned the layout is refused at the
+    pin; it never trained, so the run ends as soon as learner 0 has the cut, not at the deadline."""
+    d = Driver(total_rounds=1, quorum=1, final_timeout_s=60.0)
+    d.join(1, fingerprint=b"\x01" * 32)  # no model yet: accepted for now
+    refused = d.join(0)
+    assert any(isinstance(e, Close) and e.to == Peer(1, 1) for e in refused) and 1 not in d.protocol.links
+    assert d.protocol.shared.lives.get(1) is None
+    pull = sends(d.init(), Pull)[0].msg
+    assert isinstance(pull, Pull)
+    merge = d.push(0, pull, 1.0)[-1]
+    assert isinstance(merge, Merge)
+    d.turn(d.merge(merge))
+    assert d.protocol.phase is Phase.FINALIZING
+    d.got(0, Bye("final cut installed"))
+    d.turn()
+    assert d.protocol.phase is Phase.DONE and d.protocol.exit_code == 0
+
+
 def test_an_id_held_by_another_process_is_refused_and_the_holder_keeps_it() -> None:
     d = Driver()
     d.join(0)
