@@ -170,6 +170,15 @@ class Encode:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpectInit:
+    """The model is pinned and learner 0's INIT is on its way: one f32 payload per fragment, of
+    `sizes` bytes, in this order. The shell readies the memory they will be received into, which
+    becomes the global parameters (`yeto_core.buffers.BufferPool.reserve`)."""
+
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Log:
     """A line for the user that says what the effects before it did (a commit, the final cut going
     out), so it is written only once they are done."""
@@ -187,8 +196,8 @@ class FaultPoint:
     drain: bool = False
 
 
-Effect = (Send | Close | StallTimeout | Record | Checkpoint | Merge | Prepare | Decode | CheckInit | Encode | Log
-          | FaultPoint)
+Effect = (Send | Close | StallTimeout | Record | Checkpoint | Merge | Prepare | Decode | CheckInit | Encode
+          | ExpectInit | Log | FaultPoint)
 
 
 def is_ask(effect: Effect) -> bool:

@@ -30,7 +30,7 @@ import torch
 from syncer.core import records
 from syncer.core.commit import Commit
 from syncer.core.consensus import ConsensusBoard
-from syncer.core.effects import Close, Effect, Merge, Prepare, Send, StallTimeout
+from syncer.core.effects import Close, Effect, ExpectInit, Merge, Prepare, Send, StallTimeout
 from syncer.core.events import (
     Decoded,
     Encoded,
@@ -306,6 +306,7 @@ class SyncerProtocol:
         log.info("model pinned: %d tensors, %d parameters in %d %s fragments (fingerprint %s…)",
                  len(layout.specs), layout.total_numel, layout.num_fragments, layout.pattern,
                  layout.fingerprint.hex()[:16])
+        self.shared.emit(ExpectInit(tuple(f.numel * 4 for f in layout.fragments)))
         for other in list(self.shared.links.values()):
             if other.fingerprint != layout.fingerprint:
                 del self.shared.links[other.learner_id]

@@ -47,6 +47,7 @@ from syncer.core.effects import (
     Decode,
     Effect,
     Encode,
+    ExpectInit,
     FaultPoint,
     Log,
     Merge,
@@ -84,7 +85,7 @@ from syncer.merge.iso_pool import ISO_EXIT_CODE, IsoPool, IsoPoolError
 from syncer.merge.round_merge import PreparedMerge, RoundMerger
 from syncer.service.moments import MomentRelay, merged_moment
 from syncer.service.traffic import BroadcastTimer, ShellObserver, wire_size
-from yeto_core.buffers import BufferPool
+from yeto_core.buffers import RECEIVE_POOL, BufferPool
 from yeto_core.codecs import tensor_bytes
 from yeto_core.downlink import encode_broadcast
 from yeto_core.faults import FAULT_SEND_WAIT_S, NO_FAULTS, FaultInjector
@@ -176,6 +177,7 @@ class Coordinator:
         self._merge_started = 0.0
         self.moments = MomentRelay()  # the learners' first moments, averaged and broadcast back (DESIGN §3.9)
         self._committing: int | None = None  # the round whose commit's effects are being performed
+        self._init_reserved = False  # receive memory readied for learner 0's INIT, not yet settled
 
     # -- read by server threads (immutable references, safe to read without a lock) -----------
     def pinned_fingerprint(self) -> bytes | None:
@@ -284,6 +286,9 @@ class Coordinator:
                     codec, nbytes = wire_size(ev.msg, len(ev.payload) if ev.payload is not None else None)
                     self.observer.traffic("in", ev.learner_id, codec, nbytes)
             effects = self.protocol.handle(self.clock(), ev)
+            if self._init_reserved and self.protocol.phase is not Phase.WAIT_INIT:
+                RECEIVE_POOL.settle()  # the initial cut is in: what the INIT did not use goes
+                self._init_reserved = False
             if isinstance(ev, Merged):
                 self._committing = ev.round
             try:
@@ -358,6 +363,10 @@ class Coordinator:
                     group.set_user_timeout(effect.seconds)
             elif isinstance(effect, Log):
                 log.log(effect.level, "%s", effect.message)
+            elif isinstance(effect, ExpectInit):
+                if self.device.type == "cpu":  # the received buffers become the parameters
+                    RECEIVE_POOL.reserve(effect.sizes)
+                    self._init_reserved = True
             elif isinstance(effect, CheckInit | Encode) or (isinstance(effect, Decode) and effect.inline):
                 layout = self.protocol.layout
                 assert layout is not None

@@ -85,6 +85,9 @@ class SyncerMetrics:
         self.receive_buffers = gauge("receive_buffers_allocated", "pooled receive buffers allocated since start: a "
                                      "run past its first rounds reuses them and stops adding to it")
         self.receive_buffers.set_function(lambda: RECEIVE_POOL.allocated)
+        self.faulted_ahead = gauge("receive_buffers_faulted_ahead", "receive buffers readied for learner 0's INIT "
+                                   "and made resident before it arrived (one per fragment where the kernel can)")
+        self.faulted_ahead.set_function(lambda: RECEIVE_POOL.faulted_ahead)
         for f in range(num_fragments):
             self.fragment_version.labels(str(f)).set(0)
             self.fragment_staleness.labels(str(f)).set_function(self._age_of(self._last_commit, f))

@@ -16,7 +16,7 @@ import torch
 
 from tests.integration.conftest import Procs, commits, read_tape, start_syncer, wait_until
 from tests.integration.test_metrics_endpoint import scrape
-from yeto_core.buffers import RECEIVE_POOL
+from yeto_core.buffers import MIN_POOLED_BYTES, RECEIVE_POOL, fault_in, fresh_array
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 from yeto_core.store import FRAGMENT_POOL
@@ -56,6 +56,9 @@ def test_rounds_after_the_first_allocate_nothing_new(procs: Procs, key_file: Pat
         train_until(4)  # two rounds of each fragment: every buffer a steady round needs exists now
         warm = allocations()
         assert min(warm) > 0, warm
+        if fault_in(fresh_array(MIN_POOLED_BYTES)):  # this kernel faults ranges in on request: so did the syncer
+            ahead = scrape(found.group(1))[("yeto_syncer_receive_buffers_faulted_ahead", ())]
+            assert ahead == FRAGMENTS, "the INIT's receive memory was not readied ahead of it"
         reused = RECEIVE_POOL.reused + FRAGMENT_POOL.reused
         train_until(14)
         assert allocations() == warm

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import mmap
+import resource
 
 import numpy as np
 import pytest
 import torch
 
-from yeto_core.buffers import MIN_POOLED_BYTES, BufferPool
+from yeto_core.buffers import MIN_POOLED_BYTES, BufferPool, fault_in, fresh_array
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +76,62 @@ def test_idle_buffers_are_capped() -> None:
     assert pool.idle_bytes == SIZE  # the second one was freed, not kept
     pool.clear()
     assert pool.idle_bytes == 0
+
+
+def _minor_faults_writing(view: memoryview) -> int:
+    """Page faults this thread takes writing every page of `view` once."""
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    np.frombuffer(view, dtype=np.uint8)[:: mmap.PAGESIZE] = 7
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_reserved_buffers_come_out_in_order_already_faulted_in() -> None:
+    """Learner 0's INIT: its buffers are allocated when the model is pinned and faulted in ahead
+    of the transfer, so the receiving thread writes into resident pages."""
+    pool = BufferPool(max_idle_bytes=0)  # reserved buffers are spoken for: not held to the idle cap
+    sizes = [4 * SIZE, 2 * SIZE, 4 * SIZE, MIN_POOLED_BYTES - 8]  # the last too small to pool
+    pool.reserve(sizes)
+    assert pool.wait_reserved(timeout=30)
+    assert pool.allocated == 3 and pool.idle_bytes == 10 * SIZE
+    first, second, third = (pool.take(n) for n in sizes[:3])
+    assert [len(first), len(second), len(third)] == sizes[:3] and pool.reused == 3 and pool.allocated == 3
+    if pool.faulted_ahead:  # the kernel faults ranges in on request (Linux 5.14 and later)
+        assert pool.faulted_ahead == 3
+        assert _minor_faults_writing(first) < len(first) // mmap.PAGESIZE // 10
+    else:
+        assert _minor_faults_writing(first) >= len(first) // mmap.PAGESIZE // 2  # faulted in by the write
+    fresh = pool.take(4 * SIZE)  # the reserve is spent: a new buffer, its pages not yet resident
+    assert pool.allocated == 4 and _minor_faults_writing(fresh) >= len(fresh) // mmap.PAGESIZE // 2
+
+
+def test_faulting_in_changes_no_byte_of_a_buffer_being_filled() -> None:
+    pool = BufferPool()
+    pool.reserve([SIZE])
+    taken = pool.take(SIZE)  # handed out at once, perhaps while the thread still faults it in
+    np.frombuffer(taken, dtype=np.uint8)[:] = 0x5A
+    assert pool.wait_reserved(timeout=30)
+    assert bool((np.frombuffer(taken, dtype=np.uint8) == 0x5A).all())
+    assert fault_in(np.frombuffer(taken, dtype=np.uint8)) in (True, False)
+    assert bool((np.frombuffer(taken, dtype=np.uint8) == 0x5A).all())
+
+
+def test_large_buffers_are_writable_anonymous_memory_small_ones_plain_numpy() -> None:
+    big, small = fresh_array(SIZE), fresh_array(MIN_POOLED_BYTES - 1)
+    assert isinstance(big.base, memoryview) and isinstance(big.base.obj, mmap.mmap)
+    assert big.flags.writeable and len(big) == SIZE
+    assert small.base is None and small.flags.writeable
+    view = memoryview(big)  # type: ignore[arg-type]
+    assert not view.readonly
+    torch.frombuffer(view, dtype=torch.float32).fill_(3.0)
+    assert float(np.frombuffer(view, dtype=np.float32).sum()) == 3.0 * SIZE / 4
+
+
+def test_settling_frees_what_a_reserve_left_unused_down_to_the_cap() -> None:
+    pool = BufferPool(max_idle_bytes=SIZE)
+    early = pool.take(2 * SIZE)  # a transfer that began before the reserve: a buffer of its own
+    pool.reserve([2 * SIZE, 2 * SIZE])
+    assert pool.wait_reserved(timeout=30)
+    late = pool.take(2 * SIZE)
+    assert pool.idle_bytes == 2 * SIZE  # one reserved buffer left over, above the cap
+    pool.settle()
+    assert pool.idle_bytes == 0 and len(early) == len(late) == 2 * SIZE

@@ -21,6 +21,7 @@ from syncer.core.effects import (
     Close,
     Decode,
     Effect,
+    ExpectInit,
     FaultPoint,
     Log,
     Merge,
@@ -276,6 +277,17 @@ def test_a_quantized_push_is_decoded_off_the_protocol_and_answers_when_it_comes_
     delta = decode_delta(layout, decode.msg, decode.payload, decode.codec)
     d.turn(Decoded(1, decode.generation, decode.attempt, decode.msg, delta))
     assert 1 in attempt.answers and torch.allclose(attempt.answers[1].delta, torch.full((4,), 0.5), atol=0.01)
+
+
+def test_pinning_the_model_readies_memory_for_learner_0s_init_once_and_a_resumed_run_asks_none() -> None:
+    d = Driver()
+    assert not any(isinstance(e, ExpectInit) for e in d.join(1))  # no manifest: nothing pinned yet
+    expect = [e for e in d.join(0) if isinstance(e, ExpectInit)]
+    assert expect == [ExpectInit(tuple(f.numel * 4 for f in LAYOUT.fragments))]
+    assert not any(isinstance(e, ExpectInit) for e in d.join(0))  # a redial: pinned already
+    d2, _ = first_round_merged()
+    resumed = Driver(state=d2.protocol.state)
+    assert not any(isinstance(e, ExpectInit) for e in resumed.turn() + resumed.join(0))
 
 
 def test_a_layout_mismatch_is_recorded_and_closed_with_the_error_sent_first() -> None:
