@@ -96,11 +96,12 @@ def merge_times(numel: int, learners: int, repeat: int) -> dict[str, float]:
 
 
 def first_touch_s(nbytes: int) -> float:
-    """Seconds to fault in `nbytes` of fresh anonymous memory, one write per page."""
-    import numpy as np
+    """Seconds to fault in `nbytes` of fresh anonymous memory, allocated as yeto's large buffers
+    are (`fresh_array`: no huge-page advice), one write per page."""
+    from yeto_core.buffers import fresh_array
 
     t0 = time.perf_counter()
-    block = np.empty(nbytes, dtype=np.uint8)
+    block = fresh_array(nbytes)
     block[:: os.sysconf("SC_PAGE_SIZE")] = 1
     took = time.perf_counter() - t0
     del block
