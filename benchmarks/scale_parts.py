@@ -96,8 +96,8 @@ def merge_times(numel: int, learners: int, repeat: int) -> dict[str, float]:
 
 
 def first_touch_s(nbytes: int) -> float:
-    """Seconds to fault in `nbytes` of fresh anonymous memory, allocated as yeto's large buffers
-    are (`fresh_array`: no huge-page advice), one write per page."""
+    """Seconds to fault in `nbytes` of fresh anonymous memory, allocated as yeto's pooled buffers
+    are (`fresh_array`, advised for huge pages), one write per page."""
     from yeto_core.buffers import fresh_array
 
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import mmap
 import resource
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,8 +101,10 @@ def test_reserved_buffers_come_out_in_order_already_faulted_in() -> None:
         assert _minor_faults_writing(first) < len(first) // mmap.PAGESIZE // 10
     else:
         assert _minor_faults_writing(first) >= len(first) // mmap.PAGESIZE // 2  # faulted in by the write
-    fresh = pool.take(4 * SIZE)  # the reserve is spent: a new buffer, its pages not yet resident
-    assert pool.allocated == 4 and _minor_faults_writing(fresh) >= len(fresh) // mmap.PAGESIZE // 2
+    pool.take(4 * SIZE)  # the reserve is spent: a new buffer
+    assert pool.allocated == 4
+    fresh = memoryview(fresh_array(4 * SIZE, huge=False))  # type: ignore[arg-type]
+    assert _minor_faults_writing(fresh) >= len(fresh) // mmap.PAGESIZE // 2  # not faulted in: a fault a page
 
 
 def test_faulting_in_changes_no_byte_of_a_buffer_being_filled() -> None:
@@ -135,3 +138,29 @@ def test_settling_frees_what_a_reserve_left_unused_down_to_the_cap() -> None:
     assert pool.idle_bytes == 2 * SIZE  # one reserved buffer left over, above the cap
     pool.settle()
     assert pool.idle_bytes == 0 and len(early) == len(late) == 2 * SIZE
+
+
+def _vm_flags(array: np.ndarray) -> set[str]:
+    """The kernel's flags for the mapping that holds `array` (Linux's /proc/self/smaps)."""
+    start = array.ctypes.data
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= start < hi:
+                flags = next(x for x in lines[i + 1:] if x.startswith("VmFlags:"))
+                return set(flags.split()[1:])
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="the kernel's mapping flags are Linux's")
+def test_pooled_buffers_ask_for_huge_pages_and_reserved_ones_do_not() -> None:
+    pool = BufferPool()
+    pooled = np.frombuffer(pool.take(SIZE), dtype=np.uint8)
+    pool.reserve([2 * SIZE])
+    reserved = np.frombuffer(pool.take(2 * SIZE), dtype=np.uint8)
+    assert "hg" in _vm_flags(pooled)  # MADV_HUGEPAGE: used round after round
+    assert "hg" not in _vm_flags(reserved)  # faulted in once, ahead, without synchronous compaction
+    assert pool.wait_reserved(timeout=30)
