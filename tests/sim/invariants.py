@@ -13,6 +13,8 @@
   its end without a refusal misses it, unless the syncer finalized while it was away and before
   its first push (such a learner is not waited for, DESIGN §4.7).
 * A process with the wrong key is refused and never joins.
+* A process of another model is refused for its layout, and no finalizing syncer waits for it
+  (it never trained: DESIGN §4.7).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from tests.sim.world import Run
 def check(run: Run) -> list[str]:
     problems: list[str] = []
     if not run.finished:
-        stuck = [f"learner {t.learner_id} (process {t.process})" for t in run.trained + run.intruders if not t.ended]
+        stuck = [f"learner {t.learner_id} (process {t.process})" for t in run.trained + run.intruders + run.strangers
+                 if not t.ended]
         syncer = run.incarnations[-1]
         problems.append(f"the run did not end within the horizon (t={run.end_s:.0f} s): syncer done={syncer.done}, "
                         f"still running: {stuck or 'none'}")
@@ -44,6 +47,14 @@ def check(run: Run) -> list[str]:
         for node in run.incarnations:
             if intruder.process in node.processes.values():
                 problems.append(f"the process with the wrong key joined syncer {node.incarnation}")
+    for stranger in run.strangers:
+        if stranger.reached and (stranger.refused is None or "layout" not in stranger.refused):
+            problems.append(f"the process of another model as learner {stranger.learner_id} was not refused for its "
+                            f"layout ({stranger.refused})")
+        for node in run.incarnations:
+            if stranger.learner_id in (node.finalizing_waits_for or set()):
+                problems.append(f"syncer {node.incarnation} finalized waiting for learner {stranger.learner_id}, "
+                                "of another model, which never trained")
     return problems
 
 

@@ -63,6 +63,7 @@ def test_the_seeds_draw_every_fault() -> None:
     assert any(sc.learner["lockstep"] for sc in scenarios) and any(sc.learner["bcast_delta"] for sc in scenarios)
     assert any(sc.syncer["total_rounds"] for sc in scenarios)
     assert {sc.learner["answer_on_arrival"] for sc in scenarios} == {True, False}
+    assert {sc.stranger for sc in scenarios} == {True, False}
 
 
 def test_a_ledger_that_counts_a_push_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,3 +105,25 @@ def test_a_final_cut_that_differs_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     finally:
         logging.disable(logging.NOTSET)
     assert any("learner 1" in p and "final cut that differs" in p for p in problems), problems
+
+
+def test_a_finale_that_waits_for_a_learner_of_another_model_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A learner refused when the model is pinned never trained: a syncer that kept its life (so
+    finalized waiting for it, out to --final-timeout-s) fails its seed."""
+    from syncer.core.lifecycle import Lives
+
+    left = Lives.left
+
+    def remembers(self: Lives, learner_id: int, now: float, *, trained: bool) -> None:
+        if trained:
+            left(self, learner_id, now, trained=trained)
+
+    seed = next(s for s in range(500) if Scenario.draw(s).stranger and not Scenario.draw(s).faults)
+    logging.disable(logging.CRITICAL)
+    try:
+        assert simulate(seed, check) == []
+        monkeypatch.setattr(Lives, "left", remembers)
+        problems = simulate(seed, check)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert any("of another model, which never trained" in p for p in problems), problems

@@ -12,6 +12,9 @@ delays, each learner's pace, the fault schedule), runs it on the simulated clock
 * ``slow``: one learner steps several times slower than the rest;
 * ``duplicate``: a learner's next push arrives twice, as from a client that sent it again.
 
+Some runs also start a *stranger* first: a process with the right key and another model, as an id
+beyond the fleet's, that joins before learner 0 pins the model and is refused when it does.
+
 The wire varies too: the push codec (f32, bf16 or a quantized one) and full or delta broadcasts.
 """
 
@@ -42,6 +45,7 @@ from yeto_core.settings import LearnerSettings, SyncerSettings
 KEY = b"s" * 32
 WRONG_KEY = b"w" * 32
 SHAPES = ((6, 4), (4,), (5, 3))
+STRANGER_SHAPES = ((6, 4), (4,), (5, 4))  # another model: one tensor of another shape
 HORIZON_S = 4 * 3600.0  # simulated seconds; a run still going then is stuck
 
 
@@ -65,6 +69,7 @@ class Scenario:
     learner: dict[str, Any]
     latency: dict[str, float]
     faults: list[Fault]
+    stranger: bool = False  # a process of another model dials first (module docstring)
 
     @classmethod
     def draw(cls, seed: int) -> Scenario:
@@ -113,7 +118,9 @@ class Scenario:
                    "bytes_per_s": rng.choice([1e4, 1e5, 1e7])}
         # Drawn last, so every other draw of a seed is what it was before this setting existed.
         learner["answer_on_arrival"] = rng.random() < 0.7  # most answer on arrival, the rest at their boundaries
-        return cls(seed, m, p, h, steps, step_s, syncer, learner, latency, sorted(faults, key=lambda f: f.at))
+        stranger = rng.random() < 0.15
+        return cls(seed, m, p, h, steps, step_s, syncer, learner, latency, sorted(faults, key=lambda f: f.at),
+                   stranger)
 
 
 @dataclasses.dataclass
@@ -130,6 +137,7 @@ class Run:
     final_state: SyncerState | None
     checkpoint: Path
     intruders: list[Trained]
+    strangers: list[Trained]
 
 
 class World:
@@ -147,6 +155,7 @@ class World:
         self.commits: list[tuple[int, int, list[torch.Tensor], list[int], dict[str, int]]] = []
         self.trained: list[Trained] = []
         self.intruders: list[Trained] = []
+        self.strangers: list[Trained] = []
         self.actors: list[Actor] = []
         self.procs: dict[int, tuple[Actor, SimLink, Trained]] = {}
         self.processes = 0
@@ -185,14 +194,15 @@ class World:
         self.commits.append((node.incarnation, state.next_round, [p.clone() for p in state.params],
                              list(state.versions), dict(state.ledger)))
 
-    def start_learner(self, learner_id: int, *, key: bytes = KEY, steps: int | None = None) -> Trained:
+    def start_learner(self, learner_id: int, *, key: bytes = KEY, steps: int | None = None,
+                      shapes: tuple[tuple[int, ...], ...] = SHAPES) -> Trained:
         sc = self.scenario
         process = self.processes
         self.processes += 1
         rng = random.Random(sc.seed * 1_000_003 + process)
         settings = self._learner_settings(key).model_copy(update={"learner_id": learner_id})
         generator = torch.Generator().manual_seed(rng.getrandbits(31))
-        weights = [torch.randn(shape, generator=generator) for shape in SHAPES]
+        weights = [torch.randn(shape, generator=generator) for shape in shapes]
         codec = codec_by_name(settings.wire_dtype, block=settings.push_block)
         link = SimLink(self.sim, self.latency, rng, settings, codec, lambda: self.node, process)
         session = LearnerSession(settings, [(f"t{i}", w) for i, w in enumerate(weights)], link=link,
@@ -204,10 +214,10 @@ class World:
                 freeze = (int(f.at / sc.step_s[learner_id]), f.lasts)
         actor = Actor(self.sim, f"learner{learner_id}.p{process}",
                       lambda a: train(a, session, link, out, weights, steps=sc.steps if steps is None else steps,
-                                      step_s=sc.step_s[learner_id], tokens_per_step=64 + 16 * learner_id, rng=rng,
-                                      freeze=freeze))
+                                      step_s=sc.step_s[learner_id % sc.learners],
+                                      tokens_per_step=64 + 16 * learner_id, rng=rng, freeze=freeze))
         link.actor = actor
-        (self.trained if key == KEY else self.intruders).append(out)
+        (self.strangers if shapes != SHAPES else self.trained if key == KEY else self.intruders).append(out)
         self.actors.append(actor)
         self.procs[process] = (actor, link, out)
         actor.start()
@@ -258,6 +268,8 @@ class World:
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> Run:
         self.start_syncer(resume=False)
+        if self.scenario.stranger:
+            self.start_learner(self.scenario.learners, shapes=STRANGER_SHAPES)
         for lid in range(self.scenario.learners):
             self.start_learner(lid)
         self.schedule_faults()
@@ -265,7 +277,7 @@ class World:
         node = self.incarnations[-1]
         return Run(self.scenario, finished, self.sim.now - self.start, self.trained, self.incarnations,
                    self.resumed_from, self.commits, node.state if node.done else None, self.checkpoint,
-                   self.intruders)
+                   self.intruders, self.strangers)
 
     def _over(self) -> bool:
         node = self.node
