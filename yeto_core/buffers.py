@@ -28,6 +28,7 @@ against 2–4 GB/s unadvised, on one machine; a reserve is faulted once, on the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import sys
@@ -72,7 +73,8 @@ def fresh_array(nbytes: int, *, huge: bool = True) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel built without huge pages refuses the advice
+            mapping.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(mapping, dtype=np.uint8)
 
 
