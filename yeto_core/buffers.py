@@ -22,8 +22,9 @@ Large buffers are anonymous mappings whose huge-page advice is chosen here rathe
 numpy (which advises every large array). Pooled buffers ask for huge pages: they are used round
 after round, and a 512 MiB `recv_into` ran ~10% faster into them. A reserve asks for none: where
 the kernel's THP `defrag` setting is `madvise` (a common default) a fault in an advised region
-compacts memory synchronously, and fresh advised buffers faulted in at 0.4–0.5 GB/s on some runs
-against 2–4 GB/s unadvised, on one machine; a reserve is faulted once, on the INIT's clock.
+compacts memory synchronously, and fresh advised buffers faulted in at 0.4–0.9 GB/s on some runs
+against 2–4 GB/s unadvised, on one machine; a reserve is faulted in once, while the INIT is on its
+way, and speed then is all that counts.
 """
 
 from __future__ import annotations
