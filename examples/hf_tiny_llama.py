@@ -56,9 +56,43 @@ def splits(seq_len: int, shard: int, num_shards: int, eval_fraction: float = 0.0
     return ByteBlocks(train[shard * size : (shard + 1) * size], seq_len), ByteBlocks(held_out, seq_len)
 
 
+def family_config(model_type: str, args: argparse.Namespace) -> Any:
+    """A small config of any causal-LM family transformers builds from a config alone
+    (`AutoConfig.for_model`), at the sizes `args` asks for, with byte tokens and no special ids."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(
+            model_type, vocab_size=256, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
+            intermediate_size=args.hidden * 2, max_position_embeddings=args.seq_len, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None)
+    except ValueError as exc:  # transformers' own line names the known model types
+        raise SystemExit(f"hf_tiny_llama: --model-type {model_type}: {str(exc).splitlines()[0]}") from None
+    # transformers maps most families' own names (GPT-2's n_embd, n_layer, n_head) to the ones
+    # above; these are set only where the family has them: positions, grouped-query heads, experts.
+    where_present = {"n_positions": args.seq_len, "n_ctx": args.seq_len, "num_key_value_heads": 2,
+                     "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": args.hidden, "shared_expert_intermediate_size": args.hidden}
+    for name, value in where_present.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    return config
+
+
 def build_model(args: argparse.Namespace, **config: Any) -> torch.nn.Module:
-    """The tiny Llama, its weights drawn from `args.seed`; `config` overrides LlamaConfig fields."""
+    """The tiny Llama, its weights drawn from `args.seed`; `config` overrides LlamaConfig fields.
+    With `args.model_type` other than llama, that family's small model (`family_config`) instead."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_type = getattr(args, "model_type", "llama")
+    if model_type != "llama":
+        from transformers import AutoModelForCausalLM
+
+        family = family_config(model_type, args)
+        for name, value in config.items():
+            setattr(family, name, value)
+        torch.manual_seed(args.seed)
+        return AutoModelForCausalLM.from_config(family)
 
     fields: dict[str, Any] = dict(
         vocab_size=256, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
@@ -83,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model-type", default="llama",
+                   help="the model family: llama (the default), or any causal-LM model type transformers can "
+                        "build from a config alone (gpt2, gpt_neox, qwen2, mixtral, qwen3_moe, gemma, opt, mamba, ...)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=2, help="how many learners share the training text")
