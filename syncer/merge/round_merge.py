@@ -19,6 +19,7 @@ import torch
 from syncer.core.rounds import Answer
 from syncer.durability.checkpoint import SyncerState
 from syncer.merge.correction import HelocoConfig, heloco_correct
+from syncer.merge.fused import PLAN_CHUNK, FusedPlan, fusable, plan_fused, step_fused
 from syncer.merge.held import HeldDelta
 from syncer.merge.merge import (
     Flattener,
@@ -30,7 +31,17 @@ from syncer.merge.merge import (
     merge_deltas,
     segment_sq_norms,
 )
-from syncer.merge.outer import ACCUM_KEY, COUNT_KEY, STEP_CHUNK, STEPS_KEY, OuterOptimizer, OuterState, outer_optimizer
+from syncer.merge.outer import (
+    ACCUM_KEY,
+    COUNT_KEY,
+    STEP_CHUNK,
+    STEPS_KEY,
+    Nesterov,
+    OuterOptimizer,
+    OuterState,
+    outer_optimizer,
+    warmed_momentum,
+)
 from yeto_core.layout import Layout, TensorSlot
 from yeto_core.sections import MergeSettings
 
@@ -123,8 +134,9 @@ class RoundMerger:
     def prepare(self, momentum: torch.Tensor, answers: list[Answer], segments: list[Segment],
                 finished: float = 0.0) -> PreparedMerge:
         """The heavy half of a merge, on any thread (its own scratch: the workspace is the commit's)."""
+        fused = fusable(self.outer, momentum.device, segments, corrected=self.heloco is not None)
         return prepare_merge(answers, momentum=momentum, segments=segments, heloco=self.heloco,
-                             threads=self.threads, iso=self.iso, finished=finished)
+                             threads=self.threads, iso=self.iso, finished=finished, fused=fused)
 
     def merge(self, lent: FragmentTensors, answers: list[Answer], segments: list[Segment],
               prepared: PreparedMerge | None = None, finished: float = 0.0) -> tuple[MergeOutcome, FragmentTensors]:
@@ -156,8 +168,9 @@ class RoundMerger:
 @dataclass(frozen=True)
 class PreparedMerge:
     """The heavy half of a round's merge, done ahead of its commit (`prepare_merge`): the learners'
-    weights and the outer gradient of every delta whose norm fits float32. Only the outer step is
-    left, and it reads nothing this half wrote but `grad`."""
+    weights and the outer gradient of every delta whose norm fits float32 (`grad`), or, on the
+    fused path, what forms that gradient a chunk at a time during the step (`plan`). Only the
+    outer step is left, and it reads nothing this half wrote but `grad` or `plan`."""
 
     ordered: list[Answer]  # in learner-id order, without the overflowed
     norms: dict[int, float]
@@ -165,6 +178,7 @@ class PreparedMerge:
     weights: torch.Tensor | None
     grad: torch.Tensor | None
     ms: float
+    plan: FusedPlan | None = None
 
 
 def prepare_merge(
@@ -177,10 +191,12 @@ def prepare_merge(
     workspace: MergeWorkspace | None = None,
     iso: Flattener | None = None,
     finished: float = 0.0,
+    fused: bool = False,
 ) -> PreparedMerge:
-    """Weights and outer gradient of `answers` (RDA, and with `--merge iso` the SVDs). It reads
-    the fragment's momentum (HeLoCo) and no params, so it may run before the rounds ahead of it
-    commit, as long as none of them is on the same fragment."""
+    """Weights and outer gradient of `answers` (RDA, and with `--merge iso` the SVDs); `fused`
+    (`fused.fusable`): weights and the plan that forms the gradient during the step instead. It
+    reads the fragment's momentum (HeLoCo) and no params, so it may run before the rounds ahead
+    of it commit, as long as none of them is on the same fragment."""
     t0 = time.perf_counter()
     ordered = sorted(answers, key=lambda a: a.learner_id)
     # One pass over the deltas takes every learner's norm per tensor: RDA weighs its directions by
@@ -200,12 +216,17 @@ def prepare_merge(
         ordered = [ordered[i] for i in keep]
         if ordered:
             deltas, sq = _rows(ordered, momentum, workspace, heloco), sq[keep]
-    weights = grad = None
-    if ordered:
+    weights = grad = plan = None
+    if ordered and fused:
+        weights = _weights(ordered, finished)
+        size = (min(PLAN_CHUNK, momentum.numel()),)
+        scratch = None if workspace is None else workspace.take("plan", size, momentum.device)
+        plan = plan_fused(deltas, weights.to(torch.float32), segments, sq, scratch, threads)
+    elif ordered:
         weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
                                         threads=threads, workspace=workspace, iso=iso, stacked=(deltas, sq),
                                         finished=finished)
-    return PreparedMerge(ordered, norms, overflowed, weights, grad, (time.perf_counter() - t0) * 1000)
+    return PreparedMerge(ordered, norms, overflowed, weights, grad, (time.perf_counter() - t0) * 1000, plan)
 
 
 def merge_round(
@@ -233,11 +254,19 @@ def merge_round(
     on these same answers; the outcome is the same bits as without it.
     """
     t0 = time.perf_counter()
+    fused = fusable(outer, momentum.device, segments, corrected=heloco is not None)
     first = prepared or prepare_merge(answers, momentum=momentum, segments=segments, heloco=heloco,
-                                      threads=threads, workspace=workspace, iso=iso, finished=finished)
+                                      threads=threads, workspace=workspace, iso=iso, finished=finished, fused=fused)
     spent_ms = first.ms if prepared is not None else 0.0  # its time counts as the merge's
     ordered, norms, overflowed = list(first.ordered), first.norms, dict(first.overflowed)
     weights, grad = first.weights, first.grad
+    if first.plan is not None and weights is not None:
+        assert isinstance(outer, Nesterov)
+        grad_norm = _fused_step(first.plan, outer, params, momentum, outer_state, workspace, threads)
+        if grad_norm is not None:
+            return MergeOutcome(ordered, [float(w) for w in weights], grad_norm, [norms[a.learner_id] for a in ordered],
+                                spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
+        weights = None  # the screen could not clear it cheaply: the gradient is formed whole below
     while ordered:
         if grad is None or weights is None:
             weights, grad = _outer_gradient(ordered, momentum=momentum, segments=segments, heloco=heloco,
@@ -254,6 +283,22 @@ def merge_round(
         overflowed[ordered.pop(worst).learner_id] = largest[worst]
         weights = grad = None
     return MergeOutcome([], [], 0.0, [], spent_ms + (time.perf_counter() - t0) * 1000, overflowed)
+
+
+def _fused_step(plan: FusedPlan, outer: Nesterov, params: torch.Tensor, momentum: torch.Tensor,
+                outer_state: dict[str, Any], workspace: MergeWorkspace | None, threads: int) -> float | None:
+    """The fused commit (`fused.step_fused`) when the output screen's fast test clears it from the
+    gradient's bound (`screen_step`'s first test, with that bound for ‖g‖): the gradient's norm.
+    None, with nothing written, when it does not: the caller screens the gradient formed whole."""
+    bound = outer.bound(param=accurate_norm(params), momentum=accurate_norm(momentum), grad=plan.grad_bound)
+    if not bound < HEADROOM * FLOAT32_MAX:
+        return None
+    size = (min(params.numel(), STEP_CHUNK),)
+    grad_scratch = None if workspace is None else workspace.take("fused", size, params.device)
+    step_scratch = None if workspace is None else workspace.take("step", size, params.device)
+    mu = warmed_momentum(outer.momentum, outer.warmup, int(outer_state.get(STEPS_KEY, 0)))
+    return step_fused(plan, params, momentum, lr=outer.lr, mu=mu, grad_scratch=grad_scratch,
+                      step_scratch=step_scratch, threads=threads)
 
 
 def _rows(ordered: list[Answer], momentum: torch.Tensor, workspace: MergeWorkspace | None,
@@ -279,8 +324,7 @@ def _outer_gradient(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The learners' weights and the fragment's outer gradient; `stacked`: the `ordered` deltas
     stacked already, with their `segment_sq_norms`; `finished`: as `learner_weights` takes it."""
-    weights = learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered],
-                              finished)
+    weights = _weights(ordered, finished)
     deltas, sq = stacked if stacked is not None else (_rows(ordered, momentum, workspace, heloco), None)
     if heloco is not None:  # realign deltas that oppose the outer momentum (a no-op while it is zero)
         for row in deltas:
@@ -294,6 +338,10 @@ def _outer_gradient(
     grad = merge_deltas(deltas, weights.to(device=momentum.device, dtype=torch.float32), segments, out=out,
                         threads=threads, iso=iso, sq_norms=sq, negate=True)
     return weights, grad
+
+
+def _weights(ordered: list[Answer], finished: float) -> torch.Tensor:
+    return learner_weights([a.tokens for a in ordered], [a.steps for a in ordered], [a.age for a in ordered], finished)
 
 
 def max_abs(x: torch.Tensor | HeldDelta) -> float:

@@ -43,6 +43,19 @@ class Memory(_Summed):
 
 
 STEP_TEMP_ELEMENTS = 1 << 20  # syncer/merge/outer.py STEP_CHUNK: the outer step's temporary, a chunk at a time
+PLAN_ELEMENTS = 1 << 20  # syncer/merge/fused.py PLAN_CHUNK: a fused merge's planning scratch
+
+
+def merge_workspace_bytes(n_max: int, pushing: int, depth: int, heloco: bool, delayed: bool) -> float:
+    """The merge's scratch (syncer/merge/round_merge.py, fused.py). The fused merge (plain Nesterov,
+    no HeLoCo) forms the outer gradient a chunk at a time: two step chunks at the commit and a
+    planning chunk for each merge prepared ahead and the commit's own. Otherwise the merged delta
+    is held whole, with a chunk of the step's temporary, and HeLoCo corrects the pushes in a
+    stacked copy; either way the merge reads the pushes where they were received."""
+    step = 4.0 * min(n_max, STEP_TEMP_ELEMENTS)
+    if not heloco and not delayed:
+        return 2 * step + 4.0 * min(n_max, PLAN_ELEMENTS) * (depth + 1)
+    return 4.0 * n_max + step + (4.0 * pushing * n_max if heloco else 0.0)
 
 
 def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: float | None = None) -> Memory:
@@ -65,10 +78,7 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
         accumulator=4.0 * n_total if host.delayed_nesterov else 0.0,
         downlink_anchors=4.0 * n_total if choice.downlink == "bf16-delta" else 0.0,
         answers_in_flight=float(depth * pushing * answer),
-        # The merged delta and a chunk of the step's temporary; the merge reads the pushes where they
-        # were received, unless HeLoCo corrects them (in a stacked copy).
-        merge_workspace=(4.0 * n_max + 4.0 * min(n_max, STEP_TEMP_ELEMENTS)
-                         + (4.0 * pushing * n_max if host.heloco else 0.0)),
+        merge_workspace=merge_workspace_bytes(n_max, pushing, depth, host.heloco, host.delayed_nesterov),
         broadcast_copy=4.0 * n_max,
         checkpoint_copies=8.0 * n_total if host.background_checkpoint else 0.0,
         runtime=float(RUNTIME_BYTES),

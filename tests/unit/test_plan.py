@@ -196,10 +196,12 @@ def test_a_link_bound_round_by_hand() -> None:
     assert queued.latency_s == pytest.approx(4.625101) and queued.round_s == pytest.approx(4.312601)
     assert pred.up_bytes_per_round == 2 * 4_000_101 and pred.down_bytes_per_round == 2 * 4_000_149
     mem = pred.memory
-    # params + momentum 2·16 MB; pipeline 2 × 2 answers × 4 MB; workspace: the merged delta 4 MB and the
-    # step's temporary 4 MB (a fragment within one chunk; the merge reads the answers in place); one
-    # broadcast copy 4 MB; the runtime. The f32 answers are their receive buffers, not counted twice.
-    assert mem.total == pytest.approx(32e6 + 16e6 + 4e6 + 4e6 + 4e6 + RUNTIME_BYTES)
+    # params + momentum 2·16 MB; pipeline 2 × 2 answers × 4 MB; workspace: the fused merge's chunks, each
+    # the 4 MB fragment (within one chunk): the gradient's and the step's temporary at the commit, and a
+    # planning chunk for each of two merges prepared ahead and the commit's own (the merge reads the
+    # answers in place); one broadcast copy 4 MB; the runtime. The f32 answers are their receive buffers,
+    # not counted twice.
+    assert mem.total == pytest.approx(32e6 + 16e6 + 5 * 4e6 + 4e6 + RUNTIME_BYTES)
     assert mem.answers_in_flight == 16e6
     # Quantized pushes are held in their wire encoding until merged: the answers in flight are their
     # payloads.

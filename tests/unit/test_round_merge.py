@@ -7,6 +7,7 @@ import torch
 from syncer.core.payload import decode_delta, finite_f32_part, payload_problem, payload_screen
 from syncer.core.rounds import Answer
 from syncer.merge.correction import HelocoConfig
+from syncer.merge.fused import PLAN_CHUNK
 from syncer.merge.merge import (
     Segment,
     learner_weights,
@@ -16,7 +17,7 @@ from syncer.merge.merge import (
 )
 from syncer.merge.outer import STEP_CHUNK, Nesterov, make_outer_optimizer, nesterov_step
 from syncer.merge.round_merge import MergeWorkspace, merge_round, screen_step
-from syncer.tools.plan_memory import STEP_TEMP_ELEMENTS
+from syncer.tools.plan_memory import PLAN_ELEMENTS, STEP_TEMP_ELEMENTS
 from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import Init, Push
@@ -285,8 +286,9 @@ def test_the_outer_step_a_chunk_at_a_time_changes_no_bit() -> None:
 
 @pytest.mark.parametrize("heloco", [False, True])
 def test_a_merge_holds_no_copy_of_the_pushes_unless_heloco_corrects_them(heloco: bool) -> None:
-    """The workspace keeps the merged delta and a chunk of the step's temporary; a stacked copy of the
-    deltas (M fragment-sized rows) only where HeLoCo rewrites them, so the pushes stay as they came."""
+    """The fused merge (the default) keeps three chunks in its workspace and nothing the size of the
+    fragment; with HeLoCo the merged delta, a chunk of the step's temporary and a stacked copy of the
+    deltas (M fragment-sized rows), as HeLoCo rewrites them; the pushes stay as they came."""
     n = 3 * STEP_CHUNK
     workspace = MergeWorkspace()
     gen = torch.Generator().manual_seed(2)
@@ -296,10 +298,12 @@ def test_a_merge_holds_no_copy_of_the_pushes_unless_heloco_corrects_them(heloco:
                 segments=[Segment(0, n, True)], outer=Nesterov(), heloco=HelocoConfig(0.1) if heloco else None,
                 workspace=workspace)
     held = {name: buf.numel() for name, buf in workspace._buffers.items()}
-    assert held.pop("merged") == n and held.pop("step") == STEP_CHUNK
-    assert held == ({"deltas": 3 * n} if heloco else {})
+    if heloco:
+        assert held == {"merged": n, "step": STEP_CHUNK, "deltas": 3 * n}
+    else:
+        assert held == {"plan": PLAN_CHUNK, "fused": STEP_CHUNK, "step": STEP_CHUNK}
     assert all(torch.equal(a.delta, k) for a, k in zip(pushes, kept, strict=True))
 
 
 def test_the_planner_counts_the_step_temporary_the_merge_uses() -> None:
-    assert STEP_TEMP_ELEMENTS == STEP_CHUNK
+    assert STEP_TEMP_ELEMENTS == STEP_CHUNK and PLAN_ELEMENTS == PLAN_CHUNK
