@@ -39,7 +39,9 @@ def loaded(directory: Path, names: set[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     state = AutoModelForCausalLM.from_pretrained(directory).state_dict()
-    return {name: state[name] for name in names if name in state}
+    missing = sorted(names - set(state))
+    assert not missing, f"{directory}: the saved model lacks synced tensors {missing}"
+    return {name: state[name] for name in names}
 
 
 @pytest.mark.timeout(180)
