@@ -5,11 +5,15 @@ plain sender threads here, moving N bytes in 4 MiB `sendall` chunks striped roun
 same number of streams as yeto uses, with no framing. Both ends cycle through a buffer of at most
 `RING` bytes, so a multi-GiB baseline costs no more memory than a 256 MiB one: every page is
 still written by `recv_into` (and read by `sendall`) exactly as a first transfer writes it.
+`transfer(n, fresh=True)` receives into N bytes of memory new to the receiver instead, mapped
+for the transfer and unmapped after it: what landing an upload that the receiver keeps costs
+(the page faults), which the ring never pays.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import queue
 import signal
@@ -43,22 +47,23 @@ def _raw_sink(max_bytes: int, streams: int) -> int:
         idx = c.recv(1)
         conns[idx[0]] = c
     lsock.close()
-    jobs = [queue.SimpleQueue[int | None]() for _ in range(streams)]
+    jobs = [queue.SimpleQueue[tuple[int, memoryview] | None]() for _ in range(streams)]
     ends: queue.SimpleQueue[tuple[float, int]] = queue.SimpleQueue()
 
     def worker(i: int) -> None:
         sock = conns[i]
         while True:
-            nbytes = jobs[i].get()
-            if nbytes is None:
+            job = jobs[i].get()
+            if job is None:
                 return
+            nbytes, target = job
             got_total = 0
             for off in range(i * CHUNK, nbytes, streams * CHUNK):
                 n = min(CHUNK, nbytes - off)
-                at = off % len(buf)
+                at = off % len(target)
                 got = 0
                 while got < n:
-                    k = sock.recv_into(view[at + got : at + n], n - got)
+                    k = sock.recv_into(target[at + got : at + n], n - got)
                     if k == 0:
                         ends.put((time.time(), -1))
                         return
@@ -71,13 +76,19 @@ def _raw_sink(max_bytes: int, streams: int) -> int:
         t.start()
     print("ready", flush=True)
     for line in sys.stdin:
-        nbytes = int(line)
+        words = line.split()
+        nbytes = int(words[0])
         if nbytes <= 0 or nbytes > max_bytes:
             break
+        fresh = mmap.mmap(-1, nbytes) if words[1:] == ["fresh"] else None
+        target = memoryview(fresh) if fresh is not None else view
         for q in jobs:
-            q.put(nbytes)
+            q.put((nbytes, target))
         print("go", flush=True)
         results = [ends.get() for _ in range(streams)]
+        if fresh is not None:
+            target.release()
+            fresh.close()
         if any(n < 0 for _, n in results) or sum(n for _, n in results) != nbytes:
             print("error", flush=True)
             return 1
@@ -116,10 +127,11 @@ class RawLoopback:
             raise RuntimeError(f"raw receiver said {line!r}, expected {prefix!r}")
         return line
 
-    def transfer(self, nbytes: int) -> float:
-        """Seconds from the first sendall to the receiver's last byte."""
+    def transfer(self, nbytes: int, *, fresh: bool = False) -> float:
+        """Seconds from the first sendall to the receiver's last byte; `fresh`: received into
+        memory new to the receiver (the module's docstring)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{nbytes}\n")
+        self.proc.stdin.write(f"{nbytes}{' fresh' if fresh else ''}\n")
         self.proc.stdin.flush()
         self._expect("go")
         view = memoryview(self.src)

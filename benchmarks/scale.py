@@ -7,7 +7,9 @@ Synthetic weights and deltas, no training. For every size, each yeto time is pai
 baseline of the same bytes measured in the same run (only ratios mean anything on a shared machine):
 
 * `init`: learner 0's INIT upload, first INIT sent → the syncer's initial cut (tape); against raw
-  loopback of the model's bytes.
+  loopback of the model's bytes. `init_fresh` compares it with raw loopback into memory new to the
+  receiver instead, taken after the syncer has exited (a diagnostic: an upload the receiver keeps
+  must land in such memory, and on a virtual machine its page faults can cost more than the wire).
 * `push`: one learner's PUSH of a fragment, submit → delta decoded, checked, stored in the syncer;
   against raw loopback of the push's bytes.
 * `fanout`: a round's BCAST, commit (tape) → the last of M learners holding the f32 values;
@@ -184,6 +186,7 @@ def wire_times(model_bytes: int, m: int, args: argparse.Namespace, raw: RawLoopb
         for lr in learners:
             lr.client.close("benchmark done")
         syncer.close()
+    times["raw_init_fresh"] = [raw.transfer(model_bytes, fresh=True)]
     out: dict[str, Any] = {k: statistics.median(v) for k, v in times.items() if v}
     out["syncer_rss"] = peak / model_bytes
     return out
@@ -478,6 +481,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, elapsed: float)
             _line(f"merge_rda@M{m} s/B", per_size, "   (÷ its time per byte at 256 MiB)")
     for m, cells in wire.items():
         _line(f"push_cold@M{m}", [c["raw_push"] / c["push_cold"] if c and "push_cold" in c else None for c in cells])
+    for m, cells in wire.items():
+        _line(f"init_fresh@M{m}", [c["raw_init_fresh"] / c["init"] if c and "raw_init_fresh" in c else None
+                                   for c in cells], "   (÷ raw loopback into memory new to the receiver)")
     for m, cells in wire.items():
         _line(f"syncer_rss@M{m} (x)", [c["syncer_rss"] if c else None for c in cells], "   (peak RSS ÷ model bytes)")
         _line("  yeto-plan says", [c["syncer_rss_planned"] if c else None for c in cells])

@@ -117,6 +117,7 @@ def test_scale_quick_runs(tmp_path: Path) -> None:
     for row in doc["rows"]:
         assert row["m2"]["syncer_rss"] > 0 and row["island_pushes"] >= 8
         assert math.isfinite(row["island_rss"])
+        assert row["m2"]["raw_init_fresh"] > 0  # raw loopback into memory new to the receiver
 
 
 @pytest.mark.timeout(240)
