@@ -66,8 +66,10 @@ def family_config(model_type: str, args: argparse.Namespace) -> Any:
             model_type, vocab_size=256, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=4,
             intermediate_size=args.hidden * 2, max_position_embeddings=args.seq_len, bos_token_id=None,
             eos_token_id=None, pad_token_id=None)
-    except ValueError as exc:  # transformers' own line names the known model types
-        raise SystemExit(f"hf_tiny_llama: --model-type {model_type}: {str(exc).splitlines()[0]}") from None
+    except ValueError:  # transformers' own message lists every model type it knows, hundreds of them
+        print(f"hf_tiny_llama: --model-type {model_type}: not a model type this transformers knows "
+              "(AutoConfig.for_model)", file=sys.stderr)
+        raise SystemExit(2) from None
     # transformers maps most families' own names (GPT-2's n_embd, n_layer, n_head) to the ones
     # above; these are set only where the family has them: positions, grouped-query heads, experts.
     where_present = {"n_positions": args.seq_len, "n_ctx": args.seq_len, "num_key_value_heads": 2,

@@ -76,7 +76,9 @@ class _Scratch:
         buf = getattr(self._local, "buf", None)
         if buf is None:
             with self._lock:
-                buf, self._given = (self._given, None) if self._given is not None else (torch.empty(self.size), None)
+                buf, self._given = self._given, None
+            if buf is None:
+                buf = torch.empty(self.size)
             self._local.buf = buf
         return buf
 

@@ -12,13 +12,18 @@ state-space parameters, Gemma-2's soft-capped logits, OPT's offset positions.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import (
+    EXAMPLE,
+    ROOT,
     TINY_MODEL,
     Procs,
     assert_bit_identical,
+    base_env,
     checkpoint_params,
     eval_loss,
     model_dir,
@@ -65,3 +70,12 @@ def test_two_islands_of_the_family_end_identical_and_export(procs: Procs, key_fi
     exported = procs.workdir / "exported"
     export(syncer.checkpoint, str(model_dir(learners[0])), exported)
     assert_bit_identical(loaded(exported, set(reference)), reference, f"{family} yeto-export")
+
+
+@pytest.mark.timeout(120)
+def test_an_unknown_model_type_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--output-dir", str(tmp_path), "--no-sync", "--model-type",
+                          "no_such_family"], cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "hf_tiny_llama: --model-type no_such_family: not a model type this transformers knows (AutoConfig.for_model)"]
