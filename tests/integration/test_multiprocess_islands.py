@@ -137,7 +137,6 @@ def test_a_deepspeed_zero_island_reads_and_writes_masters_exactly(stage: int) ->
     sys.path.insert(0, str(ROOT / "tests" / "mcore"))
     from launch import run_ranks
 
-    # The first use on a machine JIT-builds one of DeepSpeed's CPU ops (about 30 s here).
     ranks = run_ranks(DEEPSPEED_WORKER, 2, args=[str(stage)], timeout_s=240)
     for r in ranks:
         assert r.result is not None and r.result["problems"] == [], r.result
