@@ -4,6 +4,9 @@ Trainer, with `TrainingArguments` as a script might set them (a JSON object in t
 `YetoDiLoCo` callback. It prints its final evaluation as a JSON line and saves the model.
 
     TRAINER_VARIANT='{"gradient_accumulation_steps": 3}' python tests/integration/variant_learner.py OUT_DIR
+
+With `TRAINER_RESUME=1` it resumes from the last Trainer checkpoint in OUT_DIR, as a script
+restarted after a crash does (`trainer.train(resume_from_checkpoint=True)`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def main(out_dir: str) -> int:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from yeto_plugins.hf import YetoDiLoCo
 
@@ -34,13 +37,18 @@ def main(out_dir: str) -> int:
     if variant.pop("dtype", None) == "bf16":
         model = model.to(torch.bfloat16)
     yeto = YetoDiLoCo()
+
+    class SayBegin(TrainerCallback):  # the step training starts from: past 0 when a checkpoint was resumed
+        def on_train_begin(self, args: object, state: object, control: object, **kwargs: object) -> None:
+            print(json.dumps({"event": "train_begin", "step": getattr(state, "global_step", None)}), flush=True)
+
     settings = dict(output_dir=out_dir, max_steps=3000, per_device_train_batch_size=4, per_device_eval_batch_size=32,
                     learning_rate=3e-3, weight_decay=0.0, logging_steps=10, save_strategy="no", report_to=[],
                     use_cpu=True, dataloader_num_workers=0, seed=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=TrainingArguments(**{**settings, **variant}), train_dataset=train,
-                      eval_dataset=held_out, callbacks=[yeto])
+                      eval_dataset=held_out, callbacks=[yeto, SayBegin()])
     first = trainer.evaluate()["eval_loss"]
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=os.environ.get("TRAINER_RESUME") == "1" or None)
     final = trainer.evaluate()["eval_loss"]
     print(json.dumps({"event": "eval", "phase": "final", "first": first, "loss": final, "steps": result.global_step,
                       "final_cut": bool(yeto.final_installed)}), flush=True)
