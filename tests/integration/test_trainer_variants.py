@@ -1,9 +1,9 @@
 """The HF callback under the `TrainingArguments` scripts set (DESIGN §1.4): gradient accumulation,
 bf16 weights, epochs instead of `max_steps`, evaluation and checkpoints during training, a decaying
-schedule, another optimizer with clipping, plain SGD, a compiled model. Two islands of each end with the syncer's
-final cut, bit-identical to each other and to the checkpoint (bf16 weights: to it rounded to
-bf16), and learn. An island killed and run again with `resume_from_checkpoint=True` ends with
-that cut too.
+schedule, another optimizer with clipping, plain SGD, a compiled model. Two islands of each end
+with the syncer's final cut, bit-identical to each other and to the checkpoint (bf16 weights: to
+it rounded to bf16), and learn. An island killed and run again with
+`resume_from_checkpoint=True` ends with that cut too.
 """
 
 from __future__ import annotations
