@@ -20,7 +20,7 @@ decides *what*, from the records alone:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -224,6 +224,11 @@ class FragmentSync:
             if state.bcast is None or index in hold:
                 continue
             msg, values = state.bcast
+            if state.sent is not None and msg.version < state.sent.base_version:
+                # The syncer holds less than the push was based on (it restarted without its state,
+                # or from a checkpoint older than what was installed): that push's round is gone, and
+                # the steps it carried are this island's to push again.
+                state.forget_push()
             sent, marks, moment = state.sent, state.sent_marks, state.bcast_moment
             if msg.version != state.version:
                 first = state.version < 0
@@ -321,6 +326,19 @@ class FragmentSync:
         state.anchor = values
         state.tokens_mark = self.stats.tokens
         state.steps_mark = self.stats.steps
+
+    def reseeded(self, values: Sequence[torch.Tensor]) -> None:
+        """Learner 0 seeded a syncer that had lost its state with `values`, its weights as they are
+        now: that syncer's history starts at version 0 from exactly these bits, and every step
+        trained so far is in it. They become each fragment's anchor at version 0, so the new initial
+        cut needs no install and the next push carries only the steps trained after the seed (the
+        old anchor would push, and rebase in, the steps since it a second time). The pushes, pulls
+        and broadcasts of the lost history go: none of them can be merged now."""
+        for state, anchor in zip(self.fragments, values, strict=True):
+            state.anchor, state.version = anchor, 0
+            state.forget_push()
+            state.pull, state.bcast, state.bcast_moment, state.closed = None, None, None, False
+            state.tokens_mark, state.steps_mark = self.stats.tokens, self.stats.steps
 
     def release_anchors(self) -> None:
         """DONE is sent: this island pushes nothing more, so its anchors are let go, and the final cut

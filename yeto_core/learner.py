@@ -249,7 +249,9 @@ class LearnerSession:
             self._say(f"yeto learner 0: the weights hold NaN or Inf (first in {name!r}); no INIT for the syncer "
                       "that lost its state")
             return
-        if not request.reseed:
+        if request.reseed:
+            self.sync.reseeded(values)
+        else:
             self._init_snapshot = values
         self.stats.init_answers += 1
         self.link.provide_init(values)

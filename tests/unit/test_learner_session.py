@@ -511,6 +511,72 @@ def test_a_streaming_island_says_done_only_once_its_last_push_is_merged() -> Non
     assert link.sent == [Done(1), Bye("final cut installed")] and torch.equal(w, torch.ones(2))
 
 
+def test_learner_0_that_seeds_a_restarted_syncer_counts_its_steps_once() -> None:
+    """A syncer restarted without its state is seeded with learner 0's weights as they are: every
+    step learner 0 trained is in the new history's initial cut. Its own last anchor predates some
+    of them, and rebasing the cut onto it would add them a second time."""
+    w = torch.zeros(3)
+    s, link, _, _ = hand_fed([("w", w)], sync_interval=2)
+    link.bcast(0, 0, 0, torch.zeros(3))
+    s.start()
+    link.pull(0, 0, 0)
+    for _ in range(2):
+        w.add_(1.0)
+        s.step(tokens=1)
+    link.bcast(0, 1, 0, torch.full((3,), 2.0), merged=True)  # round 0 merged the push of 2
+    w.add_(1.0)
+    s.step(tokens=1)  # installed: anchor 2 at version 1, the weights 3
+    link.lose()
+    link.connect()
+    link.ask_init(reseed=True)  # a new syncer, without --resume
+    w.add_(1.0)
+    s.step(tokens=1)  # the seed is read here: 4
+    (seed,) = link.init_answers[-1]  # type: ignore[misc]
+    assert torch.equal(seed, torch.full((3,), 4.0))
+    link.bcast(0, 0, 0, seed)  # the new history's initial cut: the seed's bits, version 0
+    w.add_(1.0)
+    s.step(tokens=1)
+    assert torch.equal(w, torch.full((3,), 5.0)), "steps before the seed were counted twice"
+    link.pull(0, 0, 0)
+    w.add_(1.0)
+    s.step(tokens=1)  # a boundary: the push carries the two steps trained since the seed, once
+    assert torch.equal(link.jobs[-1].delta, torch.full((3,), 2.0)) and link.jobs[-1].tokens == 2
+
+
+def test_a_push_based_past_what_a_restarted_syncer_holds_is_not_waited_for_at_the_end() -> None:
+    """A syncer back without its state (or from an older checkpoint) broadcasts a version below
+    the one a push in flight was based on: that push's round is gone, so the island neither waits
+    for its merge before DONE nor counts its steps as merged; they go out with its next push."""
+    w = torch.zeros(2)
+    s, link, clock, _ = hand_fed([("w", w)], sync_interval=1, final_timeout_s=100)
+    link.bcast(0, 0, 0, torch.zeros(2))
+    s.start()
+    link.bcast(0, 1, 0, torch.zeros(2))
+    s.step(tokens=1)  # version 1 installed
+    link.pull(1, 0, 1)
+    w.add_(1.0)
+    s.step(tokens=3)  # the push for round 1, based on version 1
+    assert len(link.jobs) == 1 and not s.sync.pushes_merged()
+    link.lose()
+    link.connect()
+    link.bcast(0, 0, 0, torch.full((2,), 7.0))  # the restarted syncer's initial cut, version 0
+    s.step(tokens=1)
+    assert s.sync.pushes_merged() and torch.equal(w, torch.full((2,), 8.0))  # rebased: its step kept
+    link.pull(0, 0, 0)
+    s.step(tokens=1)
+    assert torch.equal(link.jobs[-1].delta, torch.ones(2)) and link.jobs[-1].tokens == 6  # every step since v1
+
+    def syncer() -> None:  # the new history merges round 0, then sends the final cut
+        if not s.sync.pushes_merged():
+            link.bcast(0, 1, 0, torch.full((2,), 9.0), merged=True)
+        elif not s.final_ready:
+            link.final(0, 1, torch.full((2,), 9.0))
+
+    started = clock.now
+    link.on_wait = syncer
+    assert s.finish() and clock.now - started < 5  # the old push would hold DONE for 50 s
+
+
 def test_an_overlapping_island_says_done_only_once_its_last_sweep_is_merged() -> None:
     """overlap returns from the last sweep with its pushes in flight; DONE then (no final flush)
     would let the syncer finalize without their rounds, and the last iteration would be lost."""
