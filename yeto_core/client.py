@@ -56,13 +56,12 @@ class SyncerClient:
         self.link = link
         self.address = me.address
         self.learner_id = me.learner_id
-        self.bcast_delta = link.bcast_delta
         # Who this process is, the same on every redial: the syncer tells a redial of the id's
         # holder from a second process started with the same id.
         self.instance = secrets.token_bytes(INSTANCE_BYTES)
         self.codec = codec
         self._layout_for: LayoutFor | None = None
-        self.downlink = Downlink(bcast_delta=link.bcast_delta)
+        self.downlink = Downlink(delta_codec=link.delta_codec)
         self._sends_init = sends_init
         self._faults = faults
         self._init = InitRequest()

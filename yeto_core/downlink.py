@@ -1,11 +1,14 @@
-"""Downlink deltas (DESIGN §7.4): broadcasts as bf16(Θ − anchor) instead of the full f32 fragment.
+"""Downlink deltas (DESIGN §7.4): broadcasts as a code of (Θ − anchor) instead of the full f32 fragment.
 
-Both ends keep, per fragment, a bit-identical f32 *downlink anchor*: the value the learner holds
-for the fragment. A delta broadcast carries bf16(Θ − anchor); both ends then compute
-anchor ← anchor + f32(that bf16) with the same float32 ops, so their anchors stay equal bit for
-bit while tracking Θ to within bf16 rounding of each step. A FULL broadcast resets the anchor to
-Θ exactly: every `full_every` versions, for a fragment's last version, and whenever a learner
-(re)connects (it then gets the current shared anchor, joining the chain everyone else is on).
+Both ends keep, per fragment and per downlink codec, a bit-identical f32 *downlink anchor*: the
+value the learner holds for the fragment. A delta broadcast carries code(Θ − anchor) (bf16, or a
+block-quantized code: int8, int4, the 4-bit level codecs, int2); both ends then compute
+anchor ← anchor + decode(code) with the same float32 ops, so their anchors stay equal bit for bit.
+This is error feedback by construction: what the code could not carry is still in Θ − anchor and
+goes out with the fragment's next broadcast, so the anchor trails Θ by one code's error, never by
+an accumulated drift. A FULL broadcast resets the anchor to Θ exactly: for a fragment's last
+version, whenever a learner (re)connects (it then gets the current shared anchor, joining the
+chain everyone else is on), and, when asked for, every `full_every` versions.
 
 Every broadcast names the SHA-256 of the anchor it leads to. A learner whose anchor hashes
 differently (a lost or corrupt update, a bug) raises `AnchorMismatch`; the client drops the
@@ -23,14 +26,38 @@ from dataclasses import dataclass
 
 import torch
 
-from yeto_core.codecs import BF16, F32, tensor_bytes
+from yeto_core.codecs import BF16, F32, Codec, codec_by_id, tensor_bytes
 from yeto_core.layout import Layout
 from yeto_core.moments import moment_nbytes, moment_problem
+from yeto_core.quant import QUANT_WIRE_IDS, quant_codec
 from yeto_core.wire.errors import ProtocolError, Refused
 from yeto_core.wire.messages import BCAST_DELTA, BCAST_MOMENT, Bcast, Bye, Consensus, Error, Final, Message, Pull
 
 FULL = 0x1
 DELTA = 0x2
+
+DOWNLINK_DTYPES = ("f32", "bf16", *QUANT_WIRE_IDS)  # f32: every broadcast the exact fragment, no anchor
+DOWNLINK_BLOCK = 128  # values per scale of a block-quantized downlink code
+DOWNLINK_WIRE_IDS = (BF16.wire_id, *QUANT_WIRE_IDS.values())  # the delta codecs HELLO.downlink_dtype may name
+
+
+def downlink_codec(name: str) -> Codec | None:
+    """The delta codec a learner asking for downlink `name` takes; None for `f32` (exact broadcasts)."""
+    if name == "f32":
+        return None
+    if name == "bf16":
+        return BF16
+    if name in QUANT_WIRE_IDS:
+        return quant_codec(name, DOWNLINK_BLOCK)
+    raise ValueError(f"unknown downlink dtype {name!r}; accepted: {', '.join(DOWNLINK_DTYPES)}")
+
+
+def downlink_codec_by_id(wire_id: int) -> Codec | None:
+    """The delta codec named on the wire by `wire_id` (HELLO.downlink_dtype); None for f32 (or 0,
+    a learner that names none). ValueError for an id that is no downlink codec."""
+    if wire_id in (0, F32.wire_id):
+        return None
+    return codec_by_id(wire_id, block=DOWNLINK_BLOCK)
 
 
 class AnchorMismatch(Exception):
@@ -44,21 +71,25 @@ def anchor_digest(anchor: torch.Tensor) -> bytes:
 @dataclass(frozen=True)
 class Broadcast:
     flags: int  # FULL or DELTA
-    codec: int  # F32 (FULL) or BF16 (DELTA)
+    codec: int  # F32's wire id (FULL) or the delta codec's
     payload: memoryview
     digest: bytes  # SHA-256 of the anchor after applying this broadcast
 
 
 class DownlinkAnchors:
-    """The sending side's anchors: one shared f32 anchor per fragment for every delta-mode learner,
-    and the SHA-256 each leads to. The syncer's protocol keeps them as its own state and decides
-    which a broadcast is; its shell runs `encode_broadcast`. A fragment whose commit reached no
-    delta learner drops its anchor, so its chain starts again with a FULL."""
+    """The sending side's anchors of one delta codec: one shared f32 anchor per fragment for every
+    learner that takes that codec, and the SHA-256 each leads to. The syncer's protocol keeps them
+    as its own state and decides which a broadcast is; its shell runs `encode_broadcast`. A
+    fragment whose commit reached no learner of the codec drops its anchor, so its chain starts
+    again with a FULL."""
 
-    def __init__(self, num_fragments: int, full_every: int) -> None:
-        if full_every < 1:
-            raise ValueError(f"full_every must be >= 1, got {full_every}")
+    def __init__(self, num_fragments: int, full_every: int, codec: Codec = BF16) -> None:
+        if codec.wire_id not in DOWNLINK_WIRE_IDS:
+            raise ValueError(f"{codec.name} is not a downlink delta codec")
+        if full_every < 0:
+            raise ValueError(f"full_every must be >= 0, got {full_every}")
         self.full_every = full_every
+        self.codec = codec
         self.anchors: list[torch.Tensor | None] = [None] * num_fragments
         self.digests: list[bytes] = [b""] * num_fragments
 
@@ -67,8 +98,10 @@ class DownlinkAnchors:
 
     def full_at(self, fragment: int, version: int, *, last: bool) -> bool:
         """Whether `version` of `fragment` goes out FULL: no anchor yet, a fragment's last
-        version, or every `full_every` versions (a bound on the drift bf16 steps may add)."""
-        return self.anchors[fragment] is None or last or version % self.full_every == 0
+        version, or every `full_every` versions when that is set (0: never for that reason; the
+        anchor trails Θ by one code's error whatever the run's length)."""
+        periodic = self.full_every > 0 and version % self.full_every == 0
+        return self.anchors[fragment] is None or last or periodic
 
     def install(self, fragment: int, anchor: torch.Tensor, digest: bytes) -> None:
         self.anchors[fragment] = anchor
@@ -80,13 +113,30 @@ class DownlinkAnchors:
         self.digests[fragment] = b""
 
 
+class DownlinkChains:
+    """The syncer's anchors of every downlink codec in use, one `DownlinkAnchors` each, made when a
+    learner first needs that codec's chain: learners that ask for different codecs are each
+    served their own chain, and learners of one codec share one."""
+
+    def __init__(self, num_fragments: int, full_every: int) -> None:
+        self.num_fragments = num_fragments
+        self.full_every = full_every
+        self.by_id: dict[int, DownlinkAnchors] = {}
+
+    def of(self, codec: Codec) -> DownlinkAnchors:
+        chain = self.by_id.get(codec.wire_id)
+        if chain is None:
+            chain = self.by_id[codec.wire_id] = DownlinkAnchors(self.num_fragments, self.full_every, codec)
+        return chain
+
+
 class DownlinkEncoder(DownlinkAnchors):
     """The anchors with the arithmetic done in place: each commit moves the shared anchor."""
 
     def commit(self, fragment: int, version: int, theta: torch.Tensor, *, last: bool = False) -> Broadcast:
         """The broadcast of `theta` (f32, CPU) as `fragment`'s `version`; advances the shared anchor."""
         full = self.full_at(fragment, version, last=last)
-        anchor, out = encode_broadcast(None if full else self.anchors[fragment], theta)
+        anchor, out = encode_broadcast(None if full else self.anchors[fragment], theta, self.codec)
         self.install(fragment, anchor, out.digest)
         return out
 
@@ -98,32 +148,36 @@ class DownlinkEncoder(DownlinkAnchors):
         return Broadcast(FULL, F32.wire_id, tensor_bytes(anchor.clone()), self.digests[fragment])
 
 
-def encode_broadcast(anchor: torch.Tensor | None, theta: torch.Tensor) -> tuple[torch.Tensor, Broadcast]:
+def encode_broadcast(anchor: torch.Tensor | None, theta: torch.Tensor,
+                     codec: Codec = BF16) -> tuple[torch.Tensor, Broadcast]:
     """The broadcast that takes a downlink anchor to `theta` (f32, any device), and the anchor it
     leads to: with no `anchor`, a FULL (the new anchor is a copy of `theta` on the CPU, the
     payload another copy, so the anchor may move later while a send still reads the payload);
-    otherwise a DELTA, bf16(theta − anchor), and `anchor` moved by it in place."""
+    otherwise a DELTA, codec(theta − anchor), and `anchor` moved by its decoded value in place."""
     if anchor is None:
         new = theta.detach().to("cpu", dtype=torch.float32, copy=True)
         return new, Broadcast(FULL, F32.wire_id, tensor_bytes(new.clone()), anchor_digest(new))
     diff = theta.detach().to("cpu", dtype=torch.float32) - anchor
-    encoded = bytearray(BF16.encoded_nbytes(diff.numel()))
-    BF16.encode(diff, memoryview(encoded))
-    apply_delta(anchor, memoryview(encoded))
-    return anchor, Broadcast(DELTA, BF16.wire_id, memoryview(encoded), anchor_digest(anchor))
+    encoded = bytearray(codec.encoded_nbytes(diff.numel()))
+    codec.encode(diff, memoryview(encoded))
+    apply_delta(anchor, memoryview(encoded), codec, step=diff)
+    return anchor, Broadcast(DELTA, codec.wire_id, memoryview(encoded), anchor_digest(anchor))
 
 
-def apply_delta(anchor: torch.Tensor, encoded: memoryview) -> None:
-    """anchor ← anchor + f32(bf16 delta), in place; the same ops on both ends give the same bits."""
-    step = torch.empty_like(anchor)
-    BF16.decode(encoded, step)
+def apply_delta(anchor: torch.Tensor, encoded: memoryview, codec: Codec = BF16,
+                step: torch.Tensor | None = None) -> None:
+    """anchor ← anchor + decode(delta), in place; the same ops on both ends give the same bits.
+    `step`: a scratch tensor of the anchor's size to decode into (else one is made)."""
+    step = torch.empty_like(anchor) if step is None else step
+    codec.decode(encoded, step)
     anchor.add_(step)
 
 
 class DownlinkDecoder:
     """The learner's side: rebuilds each fragment's value from FULL and DELTA broadcasts."""
 
-    def __init__(self, num_fragments: int) -> None:
+    def __init__(self, num_fragments: int, codec: Codec = BF16) -> None:
+        self.codec = codec
         self.anchors: list[torch.Tensor | None] = [None] * num_fragments
         self.versions: list[int] = [-1] * num_fragments
 
@@ -137,7 +191,7 @@ class DownlinkDecoder:
                 raise AnchorMismatch(f"delta broadcast of fragment {fragment} v{version} does not follow the "
                                      f"anchor held (v{self.versions[fragment]})")
             anchor = held.clone()
-            apply_delta(anchor, payload)
+            apply_delta(anchor, payload, self.codec)
         if anchor_digest(anchor) != digest:
             self.anchors[fragment] = None
             raise AnchorMismatch(f"fragment {fragment} v{version}: the downlink anchor's SHA-256 differs from the "
@@ -150,12 +204,13 @@ class DownlinkDecoder:
 class BroadcastReader:
     """What a learner makes of a BCAST or FINAL, socket or not: the fragment's f32 values, checked
     against its layout (a wrong size or codec is a `ProtocolError`), delta broadcasts applied to
-    the downlink anchor it keeps (`AnchorMismatch` when they do not follow it)."""
+    the downlink anchor it keeps (`AnchorMismatch` when they do not follow it). `delta_codec`:
+    the downlink codec this learner asked for (None: exact f32 broadcasts only)."""
 
-    def __init__(self, layout: Layout, *, bcast_delta: bool) -> None:
+    def __init__(self, layout: Layout, *, delta_codec: Codec | None) -> None:
         self.layout = layout
-        self.bcast_delta = bcast_delta
-        self.downlink = DownlinkDecoder(layout.num_fragments) if bcast_delta else None
+        self.delta_codec = delta_codec
+        self.downlink = DownlinkDecoder(layout.num_fragments, delta_codec) if delta_codec is not None else None
 
     def moment_of(self, msg: Bcast | Final,
                   payload: memoryview | None) -> tuple[memoryview | None, memoryview | None]:
@@ -186,12 +241,14 @@ class BroadcastReader:
             raise ProtocolError(f"syncer sent {kind} for fragment {msg.fragment} of {self.layout.num_fragments}")
         numel = self.layout.fragments[msg.fragment].numel
         delta = isinstance(msg, Bcast) and bool(msg.flags & BCAST_DELTA)
-        codec = BF16 if delta else F32
+        if delta and self.delta_codec is None:
+            raise ProtocolError(f"syncer sent a delta {kind} for fragment {msg.fragment} to a learner that takes "
+                                "exact f32 broadcasts")
+        codec = self.delta_codec if delta and self.delta_codec is not None else F32
         expected = codec.encoded_nbytes(numel)
-        unasked = delta and not self.bcast_delta
-        if payload is None or len(payload) != expected or msg.codec != codec.wire_id or unasked:
-            raise ProtocolError(f"syncer sent {kind} of {0 if payload is None else len(payload)} bytes for fragment "
-                                f"{msg.fragment}; expected {expected} {codec.name} bytes")
+        if payload is None or len(payload) != expected or msg.codec != codec.wire_id:
+            raise ProtocolError(f"syncer sent {kind} of {0 if payload is None else len(payload)} bytes (codec id "
+                                f"{msg.codec}) for fragment {msg.fragment}; expected {expected} {codec.name} bytes")
         if isinstance(msg, Bcast) and self.downlink is not None:
             return self.downlink.apply(msg.fragment, msg.version, msg.flags, payload, msg.digest)
         return torch.frombuffer(payload, dtype=torch.float32) if expected else torch.empty(0)
@@ -212,8 +269,8 @@ class Downlink:
     """The learner's reading of the syncer's messages. Its broadcast reader, and so the downlink
     anchor, is kept across connections."""
 
-    def __init__(self, *, bcast_delta: bool) -> None:
-        self.bcast_delta = bcast_delta
+    def __init__(self, *, delta_codec: Codec | None) -> None:
+        self.delta_codec = delta_codec
         self.reader: BroadcastReader | None = None  # made at the first broadcast
 
     def route(self, msg: Message, payload: memoryview | None, layout: Layout | None) -> Routed:
@@ -222,7 +279,7 @@ class Downlink:
         if isinstance(msg, Bcast | Final):
             if self.reader is None:
                 assert layout is not None, "a broadcast comes after WELCOME, which gives the layout"
-                self.reader = BroadcastReader(layout, bcast_delta=self.bcast_delta)
+                self.reader = BroadcastReader(layout, delta_codec=self.delta_codec)
             payload, moment = self.reader.moment_of(msg, payload)
             return Routed(values=self.reader.values(msg, payload), moment=moment)
         if isinstance(msg, Error):

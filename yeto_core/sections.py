@@ -11,11 +11,17 @@ its signature. Users still set each one by a single flat name (`YETO_DILOCO_HEAR
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from yeto_core.codecs import Codec
+
+log = logging.getLogger("yeto.settings")
 
 # Upper bounds of every duration and count: far past any real run, yet small enough that no timer
 # overflows (`threading` and `select` take at most ~2^31 ms; TCP_USER_TIMEOUT is an int of ms) and
@@ -85,7 +91,11 @@ class LinkSettings(StreamSettings):
     data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
     connect_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of one dial + handshake")
     reconnect_max_s: float = Field(default=30.0, gt=0, le=HOUR_S, description="cap of the redial backoff")
-    bcast_delta: bool = Field(default=False, description="take broadcasts as bf16 deltas against a shared anchor")
+    downlink_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
+        default="f32", description="how broadcasts reach this learner: f32, each fragment exact; or a code of "
+        "(Θ − a hash-checked anchor both ends keep), whose error goes out with the fragment's next broadcast: "
+        "bf16 (16 bits a value), int8 (8.25), int4, e3m0 or int4-log (4.25); the final cut is always exact")
+    bcast_delta: bool = Field(default=False, description="deprecated: downlink_dtype=bf16")
     overlap: bool = Field(default=True, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
                           "instead of blending with merge_alpha")
     rl_mode: Literal["stream", "sweep", "overlap"] = Field(
@@ -102,10 +112,29 @@ class LinkSettings(StreamSettings):
                              "combined with YETO_DILOCO_OVERLAP=false")
         return v
 
+    @model_validator(mode="after")
+    def _bcast_delta_is_bf16(self) -> LinkSettings:
+        if not self.bcast_delta:
+            return self
+        if "downlink_dtype" in self.model_fields_set and self.downlink_dtype != "bf16":
+            raise ValueError(f"YETO_DILOCO_BCAST_DELTA (deprecated) asks for a bf16 downlink and "
+                             f"YETO_DILOCO_DOWNLINK_DTYPE for {self.downlink_dtype}: drop BCAST_DELTA")
+        if self.downlink_dtype != "bf16":
+            log.warning("YETO_DILOCO_BCAST_DELTA is deprecated; use YETO_DILOCO_DOWNLINK_DTYPE=bf16 (read as that)")
+            self.__dict__["downlink_dtype"] = "bf16"  # frozen: the validated value, set before anyone reads it
+        return self
+
     @property
     def sweeps(self) -> bool:
         """Whether boundaries come once per RL iteration, every fragment at once (`sweep()`)."""
         return self.rl_mode != "stream"
+
+    @property
+    def delta_codec(self) -> Codec | None:
+        """The codec of this learner's downlink deltas; None for exact f32 broadcasts."""
+        from yeto_core.downlink import downlink_codec
+
+        return downlink_codec(self.downlink_dtype)
 
 
 class ConsensusSettings(Section):

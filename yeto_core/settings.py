@@ -345,9 +345,10 @@ class SyncerSettings(FlatSettings):
     max_handshakes: int = Field(default=0, ge=0, le=4096, description="unauthenticated connections at once; at the "
                                 "cap the oldest (open over 2 s) or the newcomer is closed (0: 64, or a quarter of "
                                 "the descriptor limit when lower)")
-    bcast_delta_full_every: int = Field(default=8, ge=1, le=MAX_STEPS,
-                                        description="for learners taking bf16 delta broadcasts: "
-                                        "send the full fragment every N versions")
+    bcast_delta_full_every: int = Field(default=0, ge=0, le=MAX_STEPS,
+                                        description="for learners taking delta broadcasts: also send the full "
+                                        "fragment every N versions (0: only on joins and for a fragment's last "
+                                        "version; a delta's error is carried by the next one, so nothing drifts)")
     fault: str = fault_field("YETO_SYNCER_")
     streams: StreamSettings = StreamSettings()
     merging: MergeSettings = MergeSettings()

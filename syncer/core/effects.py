@@ -42,15 +42,15 @@ class Peer:
 class Send:
     """`msg` to `to`, queued on its connection's sender threads. The payload is `payload`, or with
     `committed`, fragment `committed`'s committed values as they are when the send is performed
-    (read without a copy; the shell leases them until the send is done), or with `anchor`, a copy
-    of fragment `anchor`'s downlink anchor taken when the send is performed (the next delta
-    moves the anchor in place)."""
+    (read without a copy; the shell leases them until the send is done), or with `anchor`
+    (fragment, codec's wire id), a copy of that fragment's downlink anchor of that codec taken
+    when the send is performed (the next delta moves the anchor in place)."""
 
     to: Peer
     msg: Message
     payload: bytes | memoryview | None = None
     committed: int | None = None
-    anchor: int | None = None
+    anchor: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,8 @@ class CheckInit:
 class Encode:
     """An ask: move fragment `fragment`'s downlink anchor (DESIGN §7.4) to its committed values
     `values` as version `version`, and make the broadcast that says so. `full`: the anchor becomes
-    those values exactly (a FULL, f32); otherwise it moves by bf16(values − anchor) (a DELTA).
+    those values exactly (a FULL, f32); otherwise it moves by the decoded `codec`(values − anchor)
+    (a DELTA). `codec`: the delta codec whose chain this anchor is.
     `lent`: the anchor, lent like a merge's tensors (None when there is none: a FULL); the shell
     writes it in place or makes a new one, and hands it back with the broadcast in
     `events.Encoded`."""
@@ -166,6 +167,7 @@ class Encode:
     version: int
     full: bool
     values: torch.Tensor
+    codec: Codec
     lent: torch.Tensor | None = None
 
 

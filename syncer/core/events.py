@@ -38,6 +38,7 @@ class Joined:
     instance: bytes = b""
     peer: str = ""
     conflict: str | None = None
+    downlink_dtype: int = 1  # the codec of the downlink deltas it takes; F32's id: exact broadcasts
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,13 @@ class InitChecked:
 
 @dataclass(frozen=True)
 class Encoded:
-    """The answer to `effects.Encode`: fragment `fragment`'s downlink anchor as version `version`
-    (the lent one, moved in place, or a new one) and the broadcast that leads to it."""
+    """The answer to `effects.Encode`: fragment `fragment`'s downlink anchor of the codec with wire
+    id `codec` as version `version` (the lent one, moved in place, or a new one) and the broadcast
+    that leads to it."""
 
     fragment: int
     version: int
+    codec: int
     anchor: torch.Tensor
     broadcast: Broadcast
 

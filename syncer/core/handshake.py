@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from syncer.core.links import layout_mismatch
-from yeto_core.codecs import CODECS, WIRE_CODEC_NAMES
+from yeto_core.codecs import CODECS, F32, WIRE_CODEC_NAMES
+from yeto_core.downlink import DOWNLINK_WIRE_IDS
 from yeto_core.wire import auth
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import CHUNK_BYTES, Hello
@@ -44,6 +45,8 @@ def check_hello(hello: Hello, *, key: bytes, nonce: bytes, who: str, pinned: byt
     if quantized and not 1 <= hello.push_block <= MAX_PUSH_BLOCK:
         raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for push block size {hello.push_block} "
                                f"(1..{MAX_PUSH_BLOCK})")
+    if hello.downlink_dtype not in (F32.wire_id, *DOWNLINK_WIRE_IDS):
+        raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for unknown downlink dtype {hello.downlink_dtype}")
     if not 1 <= hello.data_streams <= MAX_DATA_STREAMS:
         raise HandshakeRefused(ErrorCode.CONTRACT, f"{who} asks for {hello.data_streams} data streams "
                                f"(1..{MAX_DATA_STREAMS})")

@@ -35,7 +35,7 @@ class Link:
     generation: int
     fingerprint: bytes
     codec: Codec = F32  # the push codec agreed on HELLO (dtype and block size)
-    bcast_delta: bool = False  # takes bf16 downlink-delta broadcasts
+    downlink: Codec | None = None  # the codec of the downlink deltas it takes; None: exact f32 broadcasts
     consensus: bool = False  # takes CONSENSUS messages (HELLO_CONSENSUS)
     overlap: bool = False  # rebases on its merged pushes (DESIGN §3.3, §4.6): its late pushes are refused, not carried
     instance: bytes = b""  # the learner process's HELLO.instance (all zeros: it named none)

@@ -76,13 +76,12 @@ from syncer.durability.checkpoint import SyncerState, tokens_by_learner
 from syncer.merge.merge import Segment
 from syncer.merge.round_merge import FragmentTensors, fragment_segments
 from yeto_core.codecs import codec_by_id
-from yeto_core.downlink import DownlinkAnchors
+from yeto_core.downlink import DownlinkChains, downlink_codec_by_id
 from yeto_core.layout import Layout, build_layout
 from yeto_core.quant import DEFAULT_BLOCK
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import (
-    HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
     HELLO_OVERLAP,
     Bye,
@@ -171,11 +170,13 @@ class SyncerProtocol:
     def phase(self) -> Phase:
         return self.shared.phase
 
-    def anchor(self, fragment: int) -> torch.Tensor:
-        """Fragment `fragment`'s downlink anchor, for a `Send(anchor=...)` (the shell copies it)."""
-        downlink = self.shared.downlink
-        anchor = downlink.anchors[fragment] if downlink is not None else None
-        assert anchor is not None, f"fragment {fragment} has no downlink anchor"
+    def anchor(self, fragment: int, codec: int) -> torch.Tensor:
+        """Fragment `fragment`'s downlink anchor of the codec with wire id `codec`, for a
+        `Send(anchor=...)` (the shell copies it)."""
+        downlinks = self.shared.downlinks
+        chain = downlinks.by_id.get(codec) if downlinks is not None else None
+        anchor = chain.anchors[fragment] if chain is not None else None
+        assert anchor is not None, f"fragment {fragment} has no downlink anchor of codec {codec}"
         return anchor
 
     def wakeup(self, now: float) -> float:
@@ -248,7 +249,7 @@ class SyncerProtocol:
         run = self.shared
         link = Link(ev.learner_id, ev.generation, ev.fingerprint,
                     codec=codec_by_id(ev.wire_dtype, block=ev.push_block or DEFAULT_BLOCK),
-                    bcast_delta=bool(ev.flags & HELLO_BCAST_DELTA), consensus=bool(ev.flags & HELLO_CONSENSUS),
+                    downlink=downlink_codec_by_id(ev.downlink_dtype), consensus=bool(ev.flags & HELLO_CONSENSUS),
                     overlap=bool(ev.flags & HELLO_OVERLAP), instance=ev.instance, address=ev.peer)
         if ev.conflict is not None:  # two processes passed the handshake's check at once: the holder stays
             run.refuse(link, ErrorCode.DUPLICATE, ev.conflict)
@@ -319,7 +320,7 @@ class SyncerProtocol:
     def _adopt_layout(self, layout: Layout) -> None:
         self.shared.layout = layout
         self.shared.consensus = ConsensusBoard(layout.num_fragments)
-        self.shared.downlink = DownlinkAnchors(layout.num_fragments, self.settings.bcast_delta_full_every)
+        self.shared.downlinks = DownlinkChains(layout.num_fragments, self.settings.bcast_delta_full_every)
         self.segments = fragment_segments(layout, self.merging.merge)
 
     # -- messages ------------------------------------------------------------------------------

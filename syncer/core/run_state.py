@@ -27,7 +27,7 @@ from syncer.core.lifecycle import Lives
 from syncer.core.links import Link, Phase
 from syncer.core.round_table import RoundTable
 from syncer.durability.checkpoint import SyncerState
-from yeto_core.downlink import DownlinkAnchors
+from yeto_core.downlink import DownlinkChains
 from yeto_core.layout import Layout
 from yeto_core.settings import SyncerSettings
 from yeto_core.wire.errors import ErrorCode
@@ -59,7 +59,7 @@ class RunState:
     phase: Phase = Phase.WAIT_INIT
     state: SyncerState | None = None  # None until learner 0's manifest (or a checkpoint) pins the model
     layout: Layout | None = None
-    downlink: DownlinkAnchors | None = None  # set with the layout
+    downlinks: DownlinkChains | None = None  # the downlink anchors of each codec in use; set with the layout
     consensus: ConsensusBoard | None = None  # the learners' probe summaries (DESIGN §8)
     effects: list[Effect] = field(default_factory=list)  # handed out by this turn, in order
     held: list[Effect | Step] = field(default_factory=list)  # decided behind the ask out, in order

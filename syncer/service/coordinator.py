@@ -128,8 +128,8 @@ def answer(ask: CheckInit | Decode | Encode, layout: Layout, device: torch.devic
         values = init_values(ask.payload, ask.screened, device)
         return InitChecked(ask.to.learner_id, ask.to.generation, ask.fragment, values)
     if isinstance(ask, Encode):
-        anchor, broadcast = encode_broadcast(None if ask.full else ask.lent, ask.values)
-        return Encoded(ask.fragment, ask.version, anchor, broadcast)
+        anchor, broadcast = encode_broadcast(None if ask.full else ask.lent, ask.values, ask.codec)
+        return Encoded(ask.fragment, ask.version, ask.codec.wire_id, anchor, broadcast)
     return decoded(ask, layout, device)
 
 
@@ -396,7 +396,7 @@ class Coordinator:
             committed[f] = self.committed_bytes(f)
         payload: Payload | None = effect.payload if f is None else committed[f]
         if effect.anchor is not None:  # a copy: the anchor moves in place with the next delta
-            anchor = self.protocol.anchor(effect.anchor)
+            anchor = self.protocol.anchor(*effect.anchor)
             payload = tensor_bytes(anchor.clone())
         msg = effect.msg
         if isinstance(msg, Bcast) and payload is not None:

@@ -88,7 +88,7 @@ class PendingGroup(Generic[S]):
         """What the coordinator learns of the finished group; `peer`: its control stream's name."""
         h = self.hello
         return Joined(h.learner_id, self.generation, h.fingerprint, h.wire_dtype, self.manifest, h.flags,
-                      h.push_block, h.instance, peer)
+                      h.push_block, h.instance, peer, downlink_dtype=h.downlink_dtype)
 
 
 class PendingGroups(Generic[S]):

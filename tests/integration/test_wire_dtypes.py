@@ -1,14 +1,26 @@
-"""bf16 pushes (DESIGN §7.3) against the real syncer: a bf16 island and an f32 island merge into
-one model, and both end with the syncer's exact final bits."""
+"""Push and downlink codecs (DESIGN §7.3, §7.4) against the real syncer: islands on different
+push codecs, and on different downlink codecs, merge into one model, and every one ends with the
+syncer's exact final bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Island, Procs, checkpoint_params, commits, read_tape, start_syncer, syncer_exit_code
+from conftest import (
+    Island,
+    LoopbackRelay,
+    Procs,
+    checkpoint_params,
+    commits,
+    read_tape,
+    shut_both,
+    start_syncer,
+    syncer_exit_code,
+)
 
 from syncer.durability.checkpoint import load_checkpoint
 
@@ -17,10 +29,10 @@ pytestmark = pytest.mark.integration
 ROUNDS = 16
 
 
-def train_to_the_final_cut(islands: list[Island], timeout: float = 90.0) -> None:
-    """Start the islands (learner 0 first: it seeds the syncer) and step them in turn until every
-    one has installed the final cut."""
-    for island in islands:
+def train_to_the_final_cut(islands: list[Island], timeout: float = 90.0, *, started: bool = False) -> None:
+    """Start the islands unless `started` (learner 0 first: it seeds the syncer) and step them in
+    turn until every one has installed the final cut."""
+    for island in islands if not started else ():
         island.start()
     deadline = time.monotonic() + timeout
     while not all(i.finished for i in islands) and time.monotonic() < deadline:
@@ -96,4 +108,42 @@ def test_block_quantized_pushes_merge_into_one_model(procs: Procs, key_file: Pat
     records = read_tape(syncer.tape)
     assert not [r for r in records if r["event"] == "refused"], "a quantized push was refused"
     assert [c["learners"] for c in commits(records)] == [[0, 1]] * ROUNDS
+    assert_hold_the_checkpoint(islands, syncer.checkpoint)
+
+
+@pytest.mark.timeout(120)
+def test_islands_on_different_downlink_codecs_each_follow_their_own_anchor_and_end_exact(
+        procs: Procs, key_file: Path) -> None:
+    """int4 and int8 downlinks, each its own chain of anchors on the syncer; the int8 island's
+    link is cut mid-run, and its reconnect's FULL puts it back on its chain."""
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=4, total_rounds=ROUNDS * 2)
+    assert syncer.checkpoint is not None and syncer.tape is not None
+    relay = LoopbackRelay(("127.0.0.1", syncer.port), "relay-learner1")
+    islands = [Island(syncer, key_file, 0, downlink_dtype="int4", wire_dtype="int4"),
+               Island(dataclasses.replace(syncer, port=relay.port), key_file, 1, downlink_dtype="int8")]
+    try:
+        for island in islands:
+            island.start()
+        readers = [i.session.link.downlink for i in islands]
+        deadline = time.monotonic() + 60
+        while not all(r.reader is not None and r.reader.downlink is not None
+                      and min(r.reader.downlink.versions) >= 2 for r in readers):
+            assert time.monotonic() < deadline, "two delta versions of every fragment did not arrive"
+            for island in islands:
+                island.train_step()
+            time.sleep(0.002)
+        shut_both(*relay.sockets[1:])  # learner 1's link drops mid-run
+        train_to_the_final_cut(islands, started=True)
+        assert islands[1].session.stats.connected_generations[-1] > 1, "learner 1 never reconnected"
+        assert islands[0].session.stats.connected_generations == [1], "an anchor mismatch forced a reconnect"
+        for island, codec in zip(islands, ("int4", "int8"), strict=True):
+            reader = island.session.link.downlink.reader
+            assert reader is not None and reader.downlink is not None and reader.downlink.codec.name == codec
+            assert all(v >= ROUNDS * 2 // 4 - 1 for v in reader.downlink.versions), "deltas stopped reaching it"
+    finally:
+        for island in islands:
+            island.close()
+        relay.close()
+    assert syncer_exit_code(syncer) == 0
+    assert [c["learners"] for c in commits(read_tape(syncer.tape))][-1] == [0, 1]
     assert_hold_the_checkpoint(islands, syncer.checkpoint)

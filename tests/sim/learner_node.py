@@ -67,7 +67,7 @@ class SimLink:
         self.syncer_consensus = False
         self._layout_for: LayoutFor | None = None
         self._init_asked_on: Connection | None = None
-        self._downlink = Downlink(bcast_delta=self.link.bcast_delta)
+        self._downlink = Downlink(delta_codec=self.link.delta_codec)
         self._backoff = REDIAL_FIRST_S
         self._sender_free_at = 0.0
         self.generations: list[tuple[int, int]] = []  # (syncer incarnation, generation) of every group

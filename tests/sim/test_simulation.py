@@ -60,7 +60,9 @@ def test_the_seeds_draw_every_fault() -> None:
     scenarios = [Scenario.draw(s) for s in range(200)]
     assert {sc.learners for sc in scenarios} == {2, 3, 4, 5} and {sc.syncer["pipeline"] for sc in scenarios} == {1, 2}
     assert {sc.learner["wire_dtype"] for sc in scenarios} == {"f32", "bf16", "int8", "int4", "e3m0"}
-    assert any(sc.learner["lockstep"] for sc in scenarios) and any(sc.learner["bcast_delta"] for sc in scenarios)
+    assert any(sc.learner["lockstep"] for sc in scenarios) and any(
+        sc.learner["downlink_dtype"] != "f32" for sc in scenarios)
+    assert any(sc.mixed_downlinks for sc in scenarios)
     assert any(sc.syncer["total_rounds"] for sc in scenarios)
     assert {sc.learner["answer_on_arrival"] for sc in scenarios} == {True, False}
     assert {sc.stranger for sc in scenarios} == {True, False}

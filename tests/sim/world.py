@@ -45,6 +45,7 @@ from yeto_core.settings import LearnerSettings, SyncerSettings
 KEY = b"s" * 32
 WRONG_KEY = b"w" * 32
 SHAPES = ((6, 4), (4,), (5, 3))
+DELTA_DOWNLINKS = ("bf16", "int8", "int4", "int4-log")
 STRANGER_SHAPES = ((6, 4), (4,), (5, 4))  # another model: one tensor of another shape
 HORIZON_S = 4 * 3600.0  # simulated seconds; a run still going then is stuck
 
@@ -70,6 +71,7 @@ class Scenario:
     latency: dict[str, float]
     faults: list[Fault]
     stranger: bool = False  # a process of another model dials first (module docstring)
+    mixed_downlinks: bool = False  # learners take different downlink delta codecs (`downlink_of`)
 
     @classmethod
     def draw(cls, seed: int) -> Scenario:
@@ -102,16 +104,24 @@ class Scenario:
             "total_rounds": rng.choice([0, 0, 0, p * rng.randint(2, 5)]),
             "carry_answers_round": rng.random() < 0.3,
         }
-        learner = {
+        learner: dict[str, Any] = {
             "overlap": rng.random() < 0.7,
             "final_flush": rng.random() < 0.5,
             "merge_alpha": rng.choice([0.0, 0.0, 0.5]),
             "blocking": rng.choice(["", "", "0"]),
             "wire_dtype": rng.choice(["f32", "f32", "bf16", "int8", "int4", "e3m0"]),
             "push_block": rng.choice([8, 128]),
-            "bcast_delta": rng.random() < 0.3,
+            "downlink_dtype": rng.random(),  # a draw, made a dtype below
             "lockstep": rng.random() < 0.1,  # every island waits for every round: the syncer's quorum is M
         }
+        delta_draw = learner["downlink_dtype"]
+        mixed_downlinks = False
+        if delta_draw < 0.3:  # a delta downlink; from the same draw: its codec, and whether learners mix codecs
+            k = int(delta_draw / 0.3 * 2 * len(DELTA_DOWNLINKS))
+            learner["downlink_dtype"] = DELTA_DOWNLINKS[k % len(DELTA_DOWNLINKS)]
+            mixed_downlinks = k >= len(DELTA_DOWNLINKS)
+        else:
+            learner["downlink_dtype"] = "f32"
         if learner["lockstep"]:
             syncer["quorum"] = m
         latency = {"base_s": rng.uniform(0.0005, 0.05), "jitter_s": rng.uniform(0.0, 0.05),
@@ -120,7 +130,15 @@ class Scenario:
         learner["answer_on_arrival"] = rng.random() < 0.7  # most answer on arrival, the rest at their boundaries
         stranger = rng.random() < 0.15
         return cls(seed, m, p, h, steps, step_s, syncer, learner, latency, sorted(faults, key=lambda f: f.at),
-                   stranger)
+                   stranger, mixed_downlinks)
+
+    def downlink_of(self, learner_id: int) -> str:
+        """Learner `learner_id`'s downlink dtype: the fleet's, or with mixed downlinks the odd
+        learners on the next delta codec (learners of different codecs on their own chains)."""
+        base = self.learner["downlink_dtype"]
+        if not self.mixed_downlinks or learner_id % 2 == 0:
+            return str(base)
+        return DELTA_DOWNLINKS[(DELTA_DOWNLINKS.index(base) + 1) % len(DELTA_DOWNLINKS)]
 
 
 @dataclasses.dataclass
@@ -200,7 +218,9 @@ class World:
         process = self.processes
         self.processes += 1
         rng = random.Random(sc.seed * 1_000_003 + process)
-        settings = self._learner_settings(key).model_copy(update={"learner_id": learner_id})
+        base = self._learner_settings(key)
+        link_settings = base.link.model_copy(update={"downlink_dtype": sc.downlink_of(learner_id)})
+        settings = base.model_copy(update={"learner_id": learner_id, "link": link_settings})
         generator = torch.Generator().manual_seed(rng.getrandbits(31))
         weights = [torch.randn(shape, generator=generator) for shape in shapes]
         codec = codec_by_name(settings.wire_dtype, block=settings.push_block)

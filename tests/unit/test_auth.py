@@ -140,6 +140,7 @@ def test_hello_mac_covers_every_field_but_itself() -> None:
         "client_nonce": bytes(32),
         "push_block": 64,
         "instance": b"\x01" * 16,
+        "downlink_dtype": 4,
     }
     assert set(changes) | {"mac"} == {f.name for f in dataclasses.fields(Hello)}
     for field, value in changes.items():

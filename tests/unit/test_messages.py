@@ -89,7 +89,7 @@ class Golden:
 GOLDEN = [
     Golden(
         Challenge(NONCE, 4, "binpack", 24),
-        "5945544f" "02" "01" "0000" "33000000",  # 51-byte body
+        "5945544f" "03" "01" "0000" "33000000",  # 51-byte body
         (
             ("nonce", NONCE_HEX),
             ("num_fragments", "04000000"),
@@ -98,8 +98,8 @@ GOLDEN = [
         ),
     ),
     Golden(
-        Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC, 128, TOKEN),
-        "5945544f" "02" "02" "0000" "82000000",  # 130-byte body
+        Hello(7, 2, FPRINT, 2, CHUNK_BYTES, HELLO_SENDS_MANIFEST, CNONCE, MAC, 128, TOKEN, 4),
+        "5945544f" "03" "02" "0000" "83000000",  # 131-byte body
         (
             ("learner_id", "07000000"),
             ("data_streams", "02"),
@@ -110,12 +110,13 @@ GOLDEN = [
             ("client_nonce", CNONCE_HEX),
             ("push_block", "80000000"),  # 128
             ("instance", TOKEN_HEX),
+            ("downlink_dtype", "04"),  # int4
             ("mac", MAC_HEX),
         ),
     ),
     Golden(
         Welcome(TOKEN, 3, True, MAC),
-        "5945544f" "02" "03" "0000" "35000000",  # 53-byte body
+        "5945544f" "03" "03" "0000" "35000000",  # 53-byte body
         (
             ("token", TOKEN_HEX),
             ("generation", "03000000"),
@@ -125,7 +126,7 @@ GOLDEN = [
     ),
     Golden(
         Attach(TOKEN, 1, MAC),
-        "5945544f" "02" "04" "0000" "31000000",  # 49-byte body
+        "5945544f" "03" "04" "0000" "31000000",  # 49-byte body
         (
             ("token", TOKEN_HEX),
             ("index", "01"),
@@ -134,7 +135,7 @@ GOLDEN = [
     ),
     Golden(
         Error(ErrorCode.LAYOUT, "bad fp"),
-        "5945544f" "02" "05" "0000" "0c000000",  # 12-byte body
+        "5945544f" "03" "05" "0000" "0c000000",  # 12-byte body
         (
             ("code", "0300"),  # u16 LAYOUT = 3
             ("reason", "06000000" "626164206670"),  # "bad fp"
@@ -142,7 +143,7 @@ GOLDEN = [
     ),
     Golden(
         Manifest(2, "strided", (TensorSpec("emb", (8, 4), "float32", True), TensorSpec("b", (), "bfloat16"))),
-        "5945544f" "02" "07" "0000" "4a000000",  # 74-byte body
+        "5945544f" "03" "07" "0000" "4a000000",  # 74-byte body
         (
             ("num_fragments", "02000000"),
             ("pattern", "07000000" "73747269646564"),  # "strided"
@@ -161,7 +162,7 @@ GOLDEN = [
     ),
     Golden(
         Init(1, 5, 4096, 1),
-        "5945544f" "02" "08" "0000" "15000000",  # 21-byte body
+        "5945544f" "03" "08" "0000" "15000000",  # 21-byte body
         (
             ("fragment", "01000000"),
             ("transfer", "0500000000000000"),
@@ -171,7 +172,7 @@ GOLDEN = [
     ),
     Golden(
         Pull(0x0102030405060708, 2, 3, 9),
-        "5945544f" "02" "09" "0000" "14000000",  # 20-byte body
+        "5945544f" "03" "09" "0000" "14000000",  # 20-byte body
         (
             ("round", "0807060504030201"),  # u64 little-endian
             ("attempt", "02000000"),
@@ -181,7 +182,7 @@ GOLDEN = [
     ),
     Golden(
         Push(10, 2, 3, 9, 123456789, 24, 250000, 6, 1024, 2),
-        "5945544f" "02" "0a" "0000" "35000000",  # 53-byte body
+        "5945544f" "03" "0a" "0000" "35000000",  # 53-byte body
         (
             ("round", "0a00000000000000"),
             ("attempt", "02000000"),
@@ -197,7 +198,7 @@ GOLDEN = [
     ),
     Golden(
         Bcast(3, 10, 10, BCAST_FULL, 7, 2048, 1, bytes(range(32))),
-        "5945544f" "02" "0b" "0000" "45000000",  # 69-byte body
+        "5945544f" "03" "0b" "0000" "45000000",  # 69-byte body
         (
             ("fragment", "03000000"),
             ("version", "0a000000"),
@@ -211,7 +212,7 @@ GOLDEN = [
     ),
     Golden(
         Final(3, 11, 4, 40, 8, 2048, 1),
-        "5945544f" "02" "0c" "0000" "25000000",  # 37-byte body
+        "5945544f" "03" "0c" "0000" "25000000",  # 37-byte body
         (
             ("fragment", "03000000"),
             ("version", "0b000000"),
@@ -224,7 +225,7 @@ GOLDEN = [
     ),
     Golden(
         Heartbeat(5, 240),
-        "5945544f" "02" "0d" "0000" "10000000",  # 16-byte body
+        "5945544f" "03" "0d" "0000" "10000000",  # 16-byte body
         (
             ("seq", "0500000000000000"),
             ("step", "f000000000000000"),
@@ -232,17 +233,17 @@ GOLDEN = [
     ),
     Golden(
         Bye("final cut installed"),
-        "5945544f" "02" "0e" "0000" "17000000",  # 23-byte body
+        "5945544f" "03" "0e" "0000" "17000000",  # 23-byte body
         (("reason", "13000000" "66696e616c2063757420696e7374616c6c6564"),),
     ),
     Golden(
         Done(1000),
-        "5945544f" "02" "0f" "0000" "08000000",  # 8-byte body
+        "5945544f" "03" "0f" "0000" "08000000",  # 8-byte body
         (("step", "e803000000000000"),),
     ),
     Golden(
         BwProbe(1 << 20, 2 << 20, bytes(range(32))),
-        "5945544f" "02" "10" "0000" "30000000",  # 48-byte body
+        "5945544f" "03" "10" "0000" "30000000",  # 48-byte body
         (
             ("up", "0000100000000000"),  # 1 MiB
             ("down", "0000200000000000"),  # 2 MiB
@@ -251,7 +252,7 @@ GOLDEN = [
     ),
     Golden(
         ProbeReport(240, 9, b"\x01\x02\x03"),
-        "5945544f" "02" "11" "0000" "17000000",  # 23-byte body
+        "5945544f" "03" "11" "0000" "17000000",  # 23-byte body
         (
             ("step", "f000000000000000"),
             ("installed", "0900000000000000"),
@@ -260,7 +261,7 @@ GOLDEN = [
     ),
     Golden(
         Consensus(10, 2, 0.5, (1.0, UNKNOWN)),
-        "5945544f" "02" "12" "0000" "28000000",  # 40-byte body
+        "5945544f" "03" "12" "0000" "28000000",  # 40-byte body
         (
             ("round", "0a00000000000000"),
             ("learners", "02000000"),
@@ -404,7 +405,7 @@ def _header(magic: bytes = MAGIC, version: int = PROTOCOL_VERSION, mtype: int = 
 def test_header_is_twelve_bytes() -> None:
     assert HEADER.size == 12
     assert CHUNK_HEADER.size == 24
-    assert _header() == bytes.fromhex("5945544f" "02" "09" "0000" "14000000")
+    assert _header() == bytes.fromhex("5945544f" "03" "09" "0000" "14000000")
 
 
 def test_parse_header_accepts_a_good_header() -> None:
@@ -422,11 +423,12 @@ def test_parse_header_rejects_bad_magic(magic: bytes) -> None:
         parse_header(_header(magic=magic))
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
 def test_parse_header_rejects_other_versions(version: int) -> None:
-    # Version 1's CHALLENGE lacks H: a peer of either side is turned away on its first frame, both named.
-    assert PROTOCOL_VERSION == 2
-    with pytest.raises(ProtocolError, match=rf"^protocol version {version} is not supported \(this side speaks 2\)$"):
+    # Version 1's CHALLENGE lacks H, version 2's HELLO the downlink dtype: a peer of either side is
+    # turned away on its first frame, both named.
+    assert PROTOCOL_VERSION == 3
+    with pytest.raises(ProtocolError, match=rf"^protocol version {version} is not supported \(this side speaks 3\)$"):
         parse_header(_header(version=version))
 
 

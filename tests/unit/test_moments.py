@@ -332,7 +332,7 @@ def test_the_relay_adds_the_moment_only_for_sharers_and_the_version_its_merge_ma
 def test_the_learner_splits_a_broadcast_into_values_and_moment() -> None:
     _, layout = two_tensors()
     n = layout.fragments[0].numel
-    reader = BroadcastReader(layout, bcast_delta=False)
+    reader = BroadcastReader(layout, delta_codec=None)
     values, moment = torch.arange(n, dtype=torch.float32), torch.linspace(-0.5, 0.5, n)
     wire = memoryview(bytearray(bytes(tensor_bytes(values)) + bytes(encode_moment(moment))))
     msg = Bcast(0, 1, 1, BCAST_FULL | BCAST_MOMENT, 0, 0, F32.wire_id)

@@ -156,7 +156,8 @@ def test_joined_carries_what_the_hello_said() -> None:
     manifest = Manifest(4, "binpack", SPECS)
     group.admitted(manifest, 64)
     assert group.joined("10.0.0.1:5000") == Joined(0, 1, h.fingerprint, h.wire_dtype, manifest, h.flags,
-                                                     h.push_block, h.instance, "10.0.0.1:5000")
+                                                     h.push_block, h.instance, "10.0.0.1:5000",
+                                                     downlink_dtype=h.downlink_dtype)
 
 
 # -- the handshake machines against the table -----------------------------------------------------

@@ -37,7 +37,7 @@ from syncer.core.protocol import SyncerProtocol
 from syncer.core.run_state import RunState
 from syncer.merge.round_merge import RoundMerger
 from syncer.service.coordinator import Coordinator, answer
-from yeto_core.codecs import F32, codec_by_name, tensor_bytes
+from yeto_core.codecs import BF16, F32, codec_by_name, tensor_bytes
 from yeto_core.downlink import DELTA, FULL, DownlinkEncoder
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.settings import SyncerSettings
@@ -45,7 +45,6 @@ from yeto_core.wire.errors import ErrorCode
 from yeto_core.wire.messages import (
     BCAST_DELTA,
     BCAST_FULL,
-    HELLO_BCAST_DELTA,
     Bcast,
     Error,
     Init,
@@ -90,11 +89,12 @@ class Hand:
             out += batch
         return out
 
-    def join(self, lid: int, *, flags: int = 0, wire_dtype: int = F32.wire_id) -> list[Effect]:
+    def join(self, lid: int, *, flags: int = 0, wire_dtype: int = F32.wire_id,
+             downlink: int = F32.wire_id) -> list[Effect]:
         self.generations[lid] = self.generations.get(lid, 0) + 1
         manifest = Manifest(LAYOUT.num_fragments, LAYOUT.pattern, SPECS) if lid == 0 else None
         return self.turn(Joined(lid, self.generations[lid], LAYOUT.fingerprint, wire_dtype, manifest, flags,
-                                instance=bytes([lid + 1]) * 16))
+                                instance=bytes([lid + 1]) * 16, downlink_dtype=downlink))
 
     def got(self, lid: int, msg: Any, payload: bytes | None = None, screened: bool | None = None) -> list[Effect]:
         view = None if payload is None else memoryview(bytearray(payload))
@@ -303,7 +303,7 @@ def test_a_carried_push_that_does_not_decode_is_refused_where_the_inline_decode_
 # -- (c) the downlink encode ------------------------------------------------------------------------------
 def delta_run(full_every: int = 1000) -> tuple[Hand, Pull]:
     h = Hand(bcast_delta_full_every=full_every)
-    h.join(0, flags=HELLO_BCAST_DELTA)
+    h.join(0, downlink=BF16.wire_id)
     h.join(1)
     pull = pulls(h.init(0.5))[0]
     return h, pull
@@ -311,31 +311,31 @@ def delta_run(full_every: int = 1000) -> tuple[Hand, Pull]:
 
 def test_a_delta_learner_joining_makes_the_anchors_first_and_then_gets_a_copy_of_each() -> None:
     h = Hand()
-    h.join(0, flags=HELLO_BCAST_DELTA)
+    h.join(0, downlink=BF16.wire_id)
     h.join(1)
     cut = h.init(0.5)
     encodes = [e for e in cut if isinstance(e, Encode)]
     assert [(e.fragment, e.full, e.lent) for e in encodes] == [(0, True, None), (1, True, None)]
     bcasts = [e for e in cut if isinstance(e, Send) and isinstance(e.msg, Bcast)]
     mine = [b for b in bcasts if b.to == Peer(0, 1)]
-    assert [(b.anchor, b.committed, b.msg.flags & BCAST_FULL) for b in mine] == [(0, None, 1), (1, None, 1)]  # type: ignore[union-attr]
+    assert [(b.anchor, b.committed, b.msg.flags & BCAST_FULL) for b in mine] == [((0, 2), None, 1), ((1, 2), None, 1)]  # type: ignore[union-attr]
     reference = DownlinkEncoder(2, 1000)
     state = h.protocol.state
     assert state is not None
     for b in mine:
-        f = b.anchor
-        assert f is not None
+        assert b.anchor is not None
+        f, codec = b.anchor
         expect = reference.commit(f, 0, state.params[f])
         assert b.msg.digest == expect.digest  # type: ignore[union-attr]
-        assert bytes(tensor_bytes(h.protocol.anchor(f))) == bytes(expect.payload)
+        assert bytes(tensor_bytes(h.protocol.anchor(f, codec))) == bytes(expect.payload)
     # order: learner 0's stall timeout, its fragments, then learner 1's, as before
     order = [(type(e).__name__, getattr(e, "to", None)) for e in cut if isinstance(e, StallTimeout | Send)
              and not isinstance(getattr(e, "msg", None), Pull)]
     assert order == [("StallTimeout", Peer(0, 1)), ("Send", Peer(0, 1)), ("Send", Peer(0, 1)),
                      ("StallTimeout", Peer(1, 1)), ("Send", Peer(1, 1)), ("Send", Peer(1, 1))]
-    rejoin = h.through(h.join(0, flags=HELLO_BCAST_DELTA))  # anchors held now: nothing to encode
+    rejoin = h.through(h.join(0, downlink=BF16.wire_id))  # anchors held now: nothing to encode
     assert not any(isinstance(e, Encode) for e in rejoin)
-    assert [e.anchor for e in rejoin if isinstance(e, Send) and isinstance(e.msg, Bcast)] == [0, 1]
+    assert [e.anchor for e in rejoin if isinstance(e, Send) and isinstance(e.msg, Bcast)] == [(0, 2), (1, 2)]
 
 
 def test_a_commit_lends_the_anchor_to_be_encoded_and_its_broadcast_follows_the_answer_bit_for_bit() -> None:
@@ -348,7 +348,7 @@ def test_a_commit_lends_the_anchor_to_be_encoded_and_its_broadcast_follows_the_a
     h.through(h.push(0, pull, 1.0))
     merge = h.through(h.push(1, pull, 3.0))[-1]
     assert isinstance(merge, Merge)
-    lent = h.protocol.anchor(0)
+    lent = h.protocol.anchor(0, BF16.wire_id)
     effects = h.turn(h.merge(merge))
     assert kinds(effects) == ["FaultPoint", "Checkpoint", "Record", "Encode"]  # the sends wait for the answer
     encode = effects[-1]
@@ -361,7 +361,8 @@ def test_a_commit_lends_the_anchor_to_be_encoded_and_its_broadcast_follows_the_a
     delta = [b for b in bcasts if b.to == Peer(0, 1)]
     assert len(delta) == 1 and delta[0].msg.flags & BCAST_DELTA and expect.flags == DELTA  # type: ignore[union-attr]
     assert delta[0].msg.digest == expect.digest and bytes(delta[0].payload or b"") == bytes(expect.payload)  # type: ignore[union-attr]
-    assert h.protocol.shared.downlink is not None and h.protocol.shared.downlink.digests[0] == expect.digest
+    downlinks = h.protocol.shared.downlinks
+    assert downlinks is not None and downlinks.by_id[BF16.wire_id].digests[0] == expect.digest
     f32 = [b for b in bcasts if b.to == Peer(1, 1)]
     assert len(f32) == 1 and f32[0].committed == 0
     log = [e for e in rest if isinstance(e, Log)]
@@ -389,7 +390,35 @@ def test_every_full_every_versions_the_commit_asks_for_a_full_and_with_no_delta_
     assert isinstance(merge, Merge)
     committed = f32_only.turn(f32_only.merge(merge))
     assert not any(is_ask(e) for e in committed)  # nothing to encode: one turn, as before
-    assert f32_only.protocol.shared.downlink is not None and not f32_only.protocol.shared.downlink.held(0)
+    assert f32_only.protocol.shared.downlinks is not None and not f32_only.protocol.shared.downlinks.by_id
+
+
+def test_learners_on_two_downlink_codecs_get_one_encode_each_and_their_own_codecs_delta() -> None:
+    int4 = codec_by_name("int4")
+    h = Hand()
+    h.join(0, downlink=BF16.wire_id)
+    h.join(1, downlink=int4.wire_id)
+    pull = pulls(h.init(0.5))[0]
+    state = h.protocol.state
+    assert state is not None
+    references = {BF16.wire_id: DownlinkEncoder(2, 0, BF16), int4.wire_id: DownlinkEncoder(2, 0, int4)}
+    for reference in references.values():
+        for f in (0, 1):
+            reference.commit(f, 0, state.params[f])
+    h.through(h.push(0, pull, 1.0))
+    merge = h.through(h.push(1, pull, 3.0))[-1]
+    assert isinstance(merge, Merge)
+    effects = h.through(h.turn(h.merge(merge)))
+    encodes = [e for e in effects if isinstance(e, Encode)]
+    assert sorted(e.codec.wire_id for e in encodes) == sorted(references) and not any(e.full for e in encodes)
+    bcasts = {b.to.learner_id: b for b in effects if isinstance(b, Send) and isinstance(b.msg, Bcast)}
+    for lid, wire_id in ((0, BF16.wire_id), (1, int4.wire_id)):
+        expect = references[wire_id].commit(0, 1, state.params[0])
+        msg = bcasts[lid].msg
+        assert isinstance(msg, Bcast) and msg.flags & BCAST_DELTA and msg.codec == wire_id
+        assert msg.digest == expect.digest and bytes(bcasts[lid].payload or b"") == bytes(expect.payload)
+    downlinks = h.protocol.shared.downlinks
+    assert downlinks is not None and sorted(downlinks.by_id) == sorted(references)
 
 
 # -- the shell ----------------------------------------------------------------------------------------------
@@ -403,8 +432,9 @@ def test_the_shell_answers_each_ask_before_any_other_event_and_reports_sync_afte
 
     for lid in (0, 1):
         manifest = Manifest(2, layout.pattern, SPECS) if lid == 0 else None
-        co.handle(Connected(groups[lid], Joined(lid, 1, layout.fingerprint, F32.wire_id, manifest,
-                                                HELLO_BCAST_DELTA if lid == 0 else 0, instance=bytes([lid + 1]) * 16)))
+        co.handle(Connected(groups[lid], Joined(lid, 1, layout.fingerprint, F32.wire_id, manifest, 0,
+                                                instance=bytes([lid + 1]) * 16,
+                                                downlink_dtype=BF16.wire_id if lid == 0 else F32.wire_id)))
     for f in layout.fragments:
         co.handle(Got(0, 1, Init(f.index, 0, 0, F32.wire_id), memoryview(bytearray(tensor_bytes(torch.zeros(4))))))
     assert co.protocol.phase is Phase.RUNNING

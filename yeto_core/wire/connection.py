@@ -20,6 +20,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
+from yeto_core.codecs import F32
 from yeto_core.layout import Layout, build_layout
 from yeto_core.moments import max_bulk_bytes
 from yeto_core.sections import Endpoint, LinkSettings, Schedule
@@ -28,7 +29,6 @@ from yeto_core.wire.errors import ErrorCode, ProtocolError, Refused
 from yeto_core.wire.framing import FrameReader
 from yeto_core.wire.messages import (
     CHUNK_BYTES,
-    HELLO_BCAST_DELTA,
     HELLO_CONSENSUS,
     HELLO_OVERLAP,
     HELLO_SENDS_MANIFEST,
@@ -60,12 +60,13 @@ def hello_for(me: Endpoint, link: LinkSettings, layout: Layout, codec: Codec, *,
     """The signed HELLO answering a CHALLENGE: who this learner is (`me`) and its session contract."""
     # Learner 0 describes the model (MANIFEST, right after WELCOME) on every connection, so a
     # syncer without state can build the layout and bound every transfer before any bulk byte.
-    flags = (HELLO_SENDS_MANIFEST if sends_init else 0) | (HELLO_BCAST_DELTA if link.bcast_delta else 0)
+    flags = HELLO_SENDS_MANIFEST if sends_init else 0
     flags |= HELLO_CONSENSUS | (HELLO_OVERLAP if link.overlap else 0)
     flags |= SWEEP_FLAGS[link.rl_mode]
     block = int(getattr(codec, "block", 0))  # the quantized codecs' block size is contract too
+    downlink = link.delta_codec or F32
     hello = Hello(me.learner_id, link.data_streams, layout.fingerprint, codec.wire_id, CHUNK_BYTES, flags,
-                  client_nonce, push_block=block, instance=instance)
+                  client_nonce, push_block=block, instance=instance, downlink_dtype=downlink.wire_id)
     return dataclasses.replace(hello, mac=auth.sign(me.key, auth.HELLO_LABEL, challenge_nonce, hello.signed_part()))
 
 

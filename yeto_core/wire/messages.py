@@ -24,7 +24,7 @@ from yeto_core.wire.codec import BodyReader, BodyWriter
 from yeto_core.wire.errors import ErrorCode, ProtocolError
 
 MAGIC = b"YETO"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<4sBBHI")
 CHUNK_HEADER = struct.Struct("<QQQ")  # transfer id, total bytes, offset of this chunk
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -101,7 +101,6 @@ class Challenge(Message):
 
 
 HELLO_SENDS_MANIFEST = 0x1  # flag: a MANIFEST frame follows WELCOME on the control stream
-HELLO_BCAST_DELTA = 0x2  # flag: this learner takes bf16 downlink-delta broadcasts (DESIGN §7.4)
 HELLO_CONSENSUS = 0x4  # flag: this learner takes CONSENSUS messages (DESIGN §8)
 HELLO_OVERLAP = 0x8  # flag: this learner rebases on merged pushes (DESIGN §3.3, §4.6): never carry its late pushes
 HELLO_SWEEPS = 0x10  # flag: it pushes every fragment at once per RL iteration (DESIGN §3.4): rounds must be unpaced
@@ -129,6 +128,8 @@ class Hello(Message):
     # Random per learner process, the same on every redial: tells a redial of the holder of an id
     # from a second process claiming it. All zeros: a peer that names no instance.
     instance: bytes = b"\0" * INSTANCE_BYTES
+    # The codec of the downlink deltas this learner takes (DESIGN §7.4); F32's id: exact broadcasts.
+    downlink_dtype: int = 1
 
     def signed_part(self) -> bytes:
         return (
@@ -142,6 +143,7 @@ class Hello(Message):
             .fixed(self.client_nonce, NONCE_BYTES)
             .u32(self.push_block)
             .fixed(self.instance, INSTANCE_BYTES)
+            .u8(self.downlink_dtype)
             .getvalue()
         )
 
@@ -161,6 +163,7 @@ class Hello(Message):
             client_nonce=r.fixed(NONCE_BYTES, "client_nonce"),
             push_block=r.u32("push_block"),
             instance=r.fixed(INSTANCE_BYTES, "instance"),
+            downlink_dtype=r.u8("downlink_dtype"),
             mac=r.fixed(MAC_BYTES, "mac"),
         )
         r.end()
@@ -366,7 +369,7 @@ class Push(Message):
 
 PUSH_MOMENT = 0x80  # PUSH codec bit: the delta is followed by the model's first moment (yeto_core.moments)
 BCAST_FULL = 0x1  # payload is the full fragment, f32
-BCAST_DELTA = 0x2  # payload is bf16(Θ − downlink anchor) (sessions with HELLO_BCAST_DELTA)
+BCAST_DELTA = 0x2  # payload is code(Θ − downlink anchor) in the codec the learner's HELLO.downlink_dtype names
 BCAST_MERGED = 0x4  # this version merged the receiving learner's push for `round` (overlap rebasing)
 BCAST_LAST = 0x8  # `round` was the fragment's last (the run's total rounds): no PULL for it will follow
 BCAST_MOMENT = 0x10  # the values are followed by the model's merged first moment (DESIGN §3.9)
@@ -375,7 +378,8 @@ BCAST_MOMENT = 0x10  # the values are followed by the model's merged first momen
 @dataclass(frozen=True, slots=True)
 class Bcast(Message):
     """Syncer → learner: the merged global value of `fragment` at `version` (bulk). FULL: the f32
-    values; DELTA: bf16(Θ − downlink anchor). `digest` is the SHA-256 of the anchor it leads to."""
+    values; DELTA: code(Θ − downlink anchor), `codec` the learner's downlink codec.
+    `digest` is the SHA-256 of the anchor it leads to."""
 
     TYPE: ClassVar[MsgType] = MsgType.BCAST
     BULK: ClassVar[bool] = True
