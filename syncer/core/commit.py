@@ -64,6 +64,9 @@ class Commit:
         # A push later than max_base_lag commits of its fragment is refused anyway: older rounds go.
         # What is left goes into the checkpoint, so a resumed syncer refuses a push sent twice too.
         keep_merged(state, run.merged_rounds, run.settings.max_base_lag)
+        total = run.settings.total_rounds
+        last = bool(total) and state.next_round >= total  # finalization writes that cut, once
+        numel = run.layout.fragments[f].numel if run.layout is not None else 0
         record = records.Commit(
             round=attempt.round, attempt=attempt.attempt, fragment=f, version=state.versions[f],
             learners=[a.learner_id for a in answers], generations=[a.generation for a in answers],
@@ -79,13 +82,12 @@ class Commit:
             delta_norms=[round(n, 6) for n in out.delta_norms],
             outer_grad_norm=out.outer_grad_norm, merge_ms=round(out.merge_ms, 3),
             wait_ms=round((run.now - attempt.launched_at) * 1000, 1), reason=reason,
-            overflowed=sorted(out.overflowed) if out.overflowed else None,
+            bytes_in=sum(a.nbytes for a in answers), bytes_out=self.outbox.broadcast_bytes(attempt.round, f),
+            receivers=len(run.links), numel=numel, overflowed=sorted(out.overflowed) if out.overflowed else None,
             moments=[a.learner_id for a in answers if a.moment is not None] or None,
             # DESIGN §8: the learners' JS distance, each fragment's L2 drift
             extra=run.consensus.on_commit(f, out.delta_norms) if run.consensus is not None else {},
         )
-        total = run.settings.total_rounds
-        last = bool(total) and state.next_round >= total  # finalization writes that cut, once
         due = state.next_round % run.settings.checkpoint_every == 0 and not last
         if due:
             run.emit(Checkpoint())

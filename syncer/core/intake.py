@@ -88,7 +88,8 @@ class PushIntake:
                 if held is None or held.carried:  # a fresh answer from the same learner wins
                     attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens,
                                                             ev.msg.steps, delta, ev.msg.base_version, carried=True,
-                                                            origin=ev.msg.round, moment=ev.moment)
+                                                            origin=ev.msg.round, moment=ev.moment,
+                                                            nbytes=self._values_bytes(ev))
             return
         attempt = self.shared.rounds.attempt_of(ev.msg.round)
         if attempt is None or attempt.attempt != ev.attempt:
@@ -97,7 +98,11 @@ class PushIntake:
             return
         attempt.answers[ev.learner_id] = Answer(ev.learner_id, ev.generation, ev.msg.tokens, ev.msg.steps, delta,
                                                 ev.msg.base_version, at=self.shared.now, origin=ev.msg.round,
-                                                moment=ev.moment)
+                                                moment=ev.moment, nbytes=self._values_bytes(ev))
+
+    def _values_bytes(self, ev: Decoded) -> int:
+        """The bytes of the push's delta on the wire: its payload, less a shared moment's."""
+        return ev.msg.nbytes - (len(ev.moment) if ev.moment is not None else 0)
 
     def _judge(self, link: Link, msg: Push) -> tuple[PushFate, str]:
         state, layout, rounds = self.shared.state, self.shared.layout, self.shared.rounds

@@ -54,6 +54,20 @@ class Outbox:
             self._encode(codec, f, version, full=chain.full_at(f, version, last=last), for_sends=True)
         run.later(lambda: self._broadcast_sends(round_id, f, version, merged, links, last))
 
+    def broadcast_bytes(self, round_id: int, f: int) -> int:
+        """The payload bytes `broadcast` will send of fragment f's new version, to every learner:
+        the exact fragment (4 bytes a value) or its codec's delta, FULL where that chain restarts."""
+        run, state, downlinks = self.shared, self.shared.state, self.shared.downlinks
+        assert state is not None and run.layout is not None and downlinks is not None
+        numel = run.layout.fragments[f].numel
+        last = last_of_fragment(round_id, run.layout.num_fragments, run.settings.total_rounds)
+        total = 0
+        for link in run.links.values():
+            codec = link.downlink
+            full = codec is None or downlinks.of(codec).full_at(f, state.versions[f], last=last)
+            total += F32.encoded_nbytes(numel) if full or codec is None else codec.encoded_nbytes(numel)
+        return total
+
     def _broadcast_sends(self, round_id: int, f: int, version: int, merged: set[int], links: list[Link],
                          last: bool) -> None:
         run = self.shared

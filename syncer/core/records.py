@@ -156,9 +156,29 @@ class Commit(TapeRecord):
     merge_ms: float
     wait_ms: float
     reason: str
+    # The wire: the merged pushes' payload bytes (the deltas as encoded, without a shared first
+    # moment), the payload bytes of this version's broadcast to the `receivers` learners then
+    # connected, and the fragment's parameter count (`wire_bits`: bits per parameter each way).
+    bytes_in: int
+    bytes_out: int
+    receivers: int
+    numel: int
     overflowed: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)
     moments: list[int] | None = dataclasses.field(default=None, metadata=OPTIONAL)  # pushes with a moment (§3.9)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the consensus fields (DESIGN §8)
+
+
+def wire_bits(record: dict[str, Any]) -> tuple[float, float] | None:
+    """A commit record's bits per parameter per learner, (up, down): a merged push's, and a
+    broadcast's to one learner; None for a record written before the tape kept its bytes."""
+    try:
+        numel, pushes, receivers = int(record["numel"]), len(record["learners"]), int(record["receivers"])
+        up, down = int(record["bytes_in"]), int(record["bytes_out"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if numel <= 0:
+        return None
+    return (8 * up / numel / pushes if pushes else 0.0, 8 * down / numel / receivers if receivers else 0.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

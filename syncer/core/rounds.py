@@ -72,6 +72,7 @@ class Answer:
     age: int = 0  # commits of its fragment since this learner's last merged answer to it (set for the merge)
     origin: int = -1  # the round the push answered (a carried one: the round it was late for)
     moment: memoryview | None = None  # the learner's optimizer first moment at its push (DESIGN §3.9)
+    nbytes: int = 0  # the push's payload bytes on the wire, less a shared moment's
 
 
 @dataclasses.dataclass

@@ -22,6 +22,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from syncer.core.records import wire_bits
+
 PREFIX = "yeto_syncer"
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -56,6 +58,10 @@ class SyncerMetrics:
         self.fragment_l2 = gauge("fragment_l2", "mean L2 norm of the learners' deltas of the fragment's last commit",
                                  ("fragment",))
         self.answered = counter("learner_answered", "pushes merged into a commit", ("learner",))
+        self.commit_bytes = counter("commit_payload_bytes", "payload bytes of the commits' merged pushes (up) and "
+                                    "of their broadcasts to every learner (down)", ("direction",))
+        self.wire_bits = gauge("wire_bits_per_parameter", "the last commit's bits per parameter per learner: a "
+                               "merged push's (up), a broadcast to one learner (down)", ("direction",))
         self.carried = counter("learner_carried", "late pushes carried into a later round", ("learner",))
         self.refused = counter("learner_refused", "pushes or handshakes refused", ("learner", "code"))
         self.not_waited_for = counter("learner_not_waited_for", "commits that closed without waiting for the learner",
@@ -126,6 +132,11 @@ class SyncerMetrics:
                 name.observe(float(rec[key]) / 1000.0)
         if rec.get("consensus_js") is not None:
             self.consensus_js.set(rec["consensus_js"])
+        bits = wire_bits(dict(rec))
+        if bits is not None:
+            for direction, key, value in (("up", "bytes_in", bits[0]), ("down", "bytes_out", bits[1])):
+                self.commit_bytes.labels(direction).inc(int(rec[key]))
+                self.wire_bits.labels(direction).set(value)
 
     def _carry(self, rec: Mapping[str, Any]) -> None:
         self.carried.labels(str(rec.get("learner"))).inc()

@@ -2,14 +2,16 @@
 
     yeto-plot run/tape.jsonl --out run/plots
 
-Five PNGs, each from the tape's records alone (DESIGN §6.4), so a run can be looked at after the
+Six PNGs, each from the tape's records alone (DESIGN §6.4), so a run can be looked at after the
 fact, or while it runs:
 
 * ``rounds.png``: the round timeline per fragment: launch → quorum (the wait) → grace → commit;
 * ``learners.png``: tokens merged per learner over time, and the merge weight each got per commit;
 * ``staleness.png``: per commit, how many versions behind each merged push was, and carried pushes;
 * ``consensus.png``: the consensus JS distance and the fragments' delta L2 over the rounds;
-* ``throughput.png``: committed rounds per minute and merged tokens per second.
+* ``throughput.png``: committed rounds per minute and merged tokens per second;
+* ``wire.png``: bits per parameter of each commit's pushes (up) and broadcast (down), per
+  learner, and the payload bytes moved each way over the run.
 
 What is kept (`syncer/tools/plot_account.py`): the tape is read once, a line at a time, and memory
 does not grow with its length. Each series holds at most ``POINTS`` points: when one fills up,
@@ -37,7 +39,7 @@ from typing import Any
 from syncer.tools.plot_account import OTHERS, Account, PlotError, Series, read_account
 from syncer.tools.tool_args import ToolParser, one_line, unwritable_dir
 
-PLOTS = ("rounds", "learners", "staleness", "consensus", "throughput")
+PLOTS = ("rounds", "learners", "staleness", "consensus", "throughput", "wire")
 SIZE_IN, DPI = (9.0, 4.5), 100  # every PNG is 900 x 450 pixels
 
 
@@ -177,9 +179,26 @@ def _throughput(axes: Any, a: Account) -> None:
     tokens.set(xlabel="seconds", ylabel="tokens / s", title="merged tokens")
 
 
+def _wire(axes: Any, a: Account) -> None:
+    bits, total = axes
+    for s, name, c in ((a.bits_up, "up (a push)", "C0"), (a.bits_down, "down (a broadcast)", "C1")):
+        draw(bits, s, color=c, label=name)
+    bits.set_ylim(bottom=0)
+    kept = a.bits_up.count > 0
+    bits.set(xlabel="round", ylabel="bits / parameter", title="wire per learner" + ("" if kept else
+             " (not on this tape)") + merged_note(a.bits_up, a.bits_down))
+    if kept:
+        bits.legend(loc="best")
+    for s, name, c in ((a.bytes_up, "up", "C0"), (a.bytes_down, "down", "C1")):
+        draw(total, s, color=c, label=name, style="-")
+    total.set(xlabel="seconds", ylabel="GB", title="payload bytes moved")
+    if kept:
+        total.legend(loc="best")
+
+
 DRAW: dict[str, Callable[[Any, Account], None]] = {
     "rounds": _rounds, "learners": _learners, "staleness": _staleness, "consensus": _consensus,
-    "throughput": _throughput,
+    "throughput": _throughput, "wire": _wire,
 }
 
 

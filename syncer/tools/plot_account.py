@@ -327,7 +327,7 @@ def tape_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 class Account:
-    """What the five pictures need of a tape, in memory bounded whatever its length."""
+    """What the six pictures need of a tape, in memory bounded whatever its length."""
 
     def __init__(self) -> None:
         self.start = math.inf  # the tape's first record time
@@ -343,6 +343,11 @@ class Account:
         self.js = Series()
         self.l2 = Series()
         self.rates = Rates()
+        self.bits_up = Series()  # per commit, bits per parameter of a merged push
+        self.bits_down = Series()  # ... and of its broadcast to one learner
+        self.bytes_up = Series()  # the payload bytes moved so far each way, in GB, against seconds
+        self.bytes_down = Series()
+        self._moved = [0.0, 0.0]
 
     def add(self, record: dict[str, Any]) -> None:
         event = record.get("event")
@@ -393,6 +398,22 @@ class Account:
         if norms:
             self.l2.add(rnd, sum(norms) / len(norms))
         self.rates.add(t, sum(tokens))
+        self._wire(c, t, rnd, len(learners))
+
+    def _wire(self, c: dict[str, Any], t: float, rnd: int, pushes: int) -> None:
+        """A commit's bytes each way (absent on a tape written before they were kept)."""
+        up, down, numel = _number(c, "bytes_in"), _number(c, "bytes_out"), _number(c, "numel")
+        receivers = _number(c, "receivers")
+        if up is None or down is None or not numel or receivers is None:
+            return
+        if pushes:
+            self.bits_up.add(rnd, 8 * up / numel / pushes)
+        if receivers:
+            self.bits_down.add(rnd, 8 * down / numel / receivers)
+        self._moved[0] += up / 1e9
+        self._moved[1] += down / 1e9
+        self.bytes_up.add(t - self.start, self._moved[0])
+        self.bytes_down.add(t - self.start, self._moved[1])
 
 
 def read_account(path: Path) -> Account:

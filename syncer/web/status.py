@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncer.core.records import wire_bits
+
 RECENT_ROUNDS = 25  # rows of the page's round table
 SERIES_POINTS = 600  # commits kept for the sparklines
 RATE_WINDOW_S = 60.0  # link rates are averaged over this window
@@ -128,11 +130,14 @@ class StatusBoard:
         for lid in rec.get("not_waited_for", []):
             self._learner(lid).not_waited_for += 1
         carried = rec.get("carried", [])
+        bits = wire_bits(dict(rec))
         self._rounds.append({
             "t": t, "round": rec.get("round"), "attempt": rec.get("attempt"), "fragment": f, "version": version,
             "decision": "commit", "reason": rec.get("reason", ""), "learners": learners, "carried": carried,
             "not_waited_for": rec.get("not_waited_for", []), "wait_ms": rec.get("wait_ms"),
-            "grace_ms": rec.get("grace_ms"), "merge_ms": rec.get("merge_ms")})
+            "grace_ms": rec.get("grace_ms"), "merge_ms": rec.get("merge_ms"),
+            "bits_up": None if bits is None else round(bits[0], 3),
+            "bits_down": None if bits is None else round(bits[1], 3)})
         self._series.append({"t": t, "round": rec.get("round"), "tokens": sum(int(x) for x in rec.get("tokens", [])),
                              "consensus_js": rec.get("consensus_js")})
 

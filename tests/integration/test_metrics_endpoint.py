@@ -90,6 +90,7 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
         assert metrics[("yeto_syncer_learners_connected", ())] == 2
         assert metrics[("yeto_syncer_merge_seconds_count", ())] == ROUNDS
         assert metrics[("yeto_syncer_handshakes_refused_total", (("reason", "protocol"),))] == 1
+        pushed_in_total, sent_f32_total = 0.0, 0.0
         for lid, session in sessions.items():  # every push of every committed round is in: its bytes, exactly
             session.pump(0.0)
             session.sync.push_in_flight()
@@ -99,11 +100,25 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
             bulk = sum(v for labels, v in received.items() if ("codec", "control") not in labels)
             init = 8 * 4 if lid == 0 else 0  # learner 0 also uploaded the initial weights, 8 f32 values
             assert pushed > 0 and bulk == pushed + init, (lid, received, pushed)
+            pushed_in_total += pushed
             sent = {labels: v for (name, labels), v in metrics.items()
                     if name == "yeto_syncer_learner_sent_bytes_total" and ("learner", str(lid)) in labels}
             assert sent[(("codec", "control"), ("learner", str(lid)))] > 0, sent  # the PULLs, at least
             # at least every commit's 4 f32 values went to the learner
             assert sent[(("codec", "f32"), ("learner", str(lid)))] >= ROUNDS * 4 * 4, sent
+            sent_f32_total += sent[(("codec", "f32"), ("learner", str(lid)))]
+        # The tape's bytes are the wire's: every merged push, and every commit's broadcast. The rest
+        # of what went out in f32 is the full state each join sent (8 values), and the final cut
+        # to a learner whose DONE the last broadcast already brought (8 values, 0 or 1 each).
+        assert sum(c["bytes_in"] for c in done) == pushed_in_total == metrics[
+            ("yeto_syncer_commit_payload_bytes_total", (("direction", "up"),))]
+        broadcast = sum(c["bytes_out"] for c in done)
+        assert broadcast == metrics[("yeto_syncer_commit_payload_bytes_total", (("direction", "down"),))]
+        joins = sum(1 for r in tape if r["event"] == "join")
+        assert sent_f32_total - broadcast - joins * 8 * 4 in (0, 8 * 4, 2 * 8 * 4), (sent_f32_total, broadcast)
+        assert all(c["numel"] == 4 and c["receivers"] == 2 for c in done)
+        assert metrics[("yeto_syncer_wire_bits_per_parameter", (("direction", "up"),))] == 32.0
+        assert metrics[("yeto_syncer_wire_bits_per_parameter", (("direction", "down"),))] == 32.0
 
         def broadcasts_timed() -> bool:
             return scrape(found.group(1))[("yeto_syncer_broadcast_seconds_count", ())] == ROUNDS
@@ -120,11 +135,11 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
     finally:
         for session in sessions.values():
             session.close()
-    # The same run's tape, drawn: `yeto-plot` writes its five PNGs (900 x 450) of the real records.
+    # The same run's tape, drawn: `yeto-plot` writes its six PNGs (900 x 450) of the real records.
     plots = procs.workdir / "plots"
     plotted = subprocess.run([sys.executable, "-m", "syncer.tools.plot", str(syncer.tape), "--out", str(plots)],
                              cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=90)
-    assert plotted.returncode == 0 and "5 plots" in plotted.stdout, plotted.stderr
+    assert plotted.returncode == 0 and "6 plots" in plotted.stdout, plotted.stderr
     for name in PLOTS:
         header = (plots / f"{name}.png").read_bytes()[:24]
         assert header[:8] == b"\x89PNG\r\n\x1a\n" and (header[16:20], header[20:24]) == (

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import Procs, commits, read_tape, start_syncer, syncer_exit_code, wait_until
 
+from syncer.core.records import wire_bits
 from yeto_core.learner import LearnerSession
 from yeto_core.settings import LearnerSettings, load_settings
 
@@ -124,11 +125,14 @@ def agrees_with_tape(snapshot: dict[str, Any], tape: list[dict[str, Any]]) -> bo
     versions = {}
     for c in done:
         versions[c["fragment"]] = max(versions.get(c["fragment"], 0), c["version"])
-    shown_rounds = [r["round"] for r in snapshot["rounds"] if r["decision"] == "commit"]
+    shown = [r for r in snapshot["rounds"] if r["decision"] == "commit"]
+    shown_rounds = [r["round"] for r in shown]
+    bits = {c["round"]: wire_bits(c) for c in done}
     return (snapshot["counts"]["committed"] == len(done) > 0
             and {lr["learner"]: lr["tokens"] for lr in snapshot["learners"]} == tokens
             and {f["fragment"]: f["version"] for f in snapshot["fragments"] if f["version"]} == versions
-            and shown_rounds == [c["round"] for c in reversed(done)][: len(shown_rounds)])
+            and shown_rounds == [c["round"] for c in reversed(done)][: len(shown_rounds)]
+            and all((r["bits_up"], r["bits_down"]) == bits[r["round"]] == (32.0, 32.0) for r in shown))
 
 
 def committed_shown(driver: Any) -> int:
@@ -161,6 +165,10 @@ def test_the_status_page_shows_a_live_run_in_a_real_browser(procs: Procs, key_fi
         wait.until(lambda d: committed_shown(d) >= first + 3)  # the page follows the rounds as they commit
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#spark-rate polyline"))
         assert browser.find_elements(By.CSS_SELECTOR, "#rounds tbody tr td.decision-commit")
+        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#rounds thead th")]
+        cells = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#rounds tbody tr:first-child td")]
+        shown = dict(zip(heads, cells, strict=True))
+        assert (shown["bits up"], shown["bits down"]) == ("32.0", "32.0"), shown  # f32 both ways
         assert browser.find_element(By.ID, "phase").text.startswith("running")
         shot = procs.workdir / "status-page.png"
         assert browser.save_screenshot(str(shot))
