@@ -1,4 +1,4 @@
-"""Block-quantized push codecs (DESIGN §7.3, PROTOCOL §8): ``int8``, ``int4``, ``e3m0`` and ``int4-log``.
+"""Block-quantized codecs (DESIGN §7.3, PROTOCOL §8): ``int8``, ``int4``, ``e3m0``, ``int4-log``, ``int2``.
 
 Every payload has the same container, little-endian throughout::
 
@@ -7,9 +7,10 @@ Every payload has the same container, little-endian throughout::
         f32 scale                       finite and ≥ 0
         codes                           int8: one byte per value
                                         4-bit: ceil(n/2) bytes, two codes a byte, low nibble first
+                                        int2: ceil(n/4) bytes, four codes a byte, lowest bits first
 
 so ``encoded_nbytes(numel) = 4 + nblocks·4 + numel`` for int8 and
-``4 + nblocks·4 + nfull·ceil(B/2) + ceil(L/2)`` for the 4-bit codecs. An empty tensor is the
+``4 + nblocks·4 + nfull·ceil(B/2) + ceil(L/2)`` for the 4-bit codecs (``ceil(·/4)`` for int2). An empty tensor is the
 4-byte header alone. For each block, ``A`` is its largest magnitude (its absmax):
 
 ``int8`` (wire id 3)
@@ -18,6 +19,10 @@ so ``encoded_nbytes(numel) = 4 + nblocks·4 + numel`` for int8 and
 ``int4`` (wire id 4)
     ``scale = A/7``, ``q = round(x/scale)`` clamped to [-7, 7], stored as the code ``q + 8``
     (1..15; encoders never write 0, and a decoder reads a 0 as -8). Worst-case error ``A/14``.
+``int2`` (wire id 7)
+    ``scale = A/1.5``, four levels ``(c − 1.5)·scale`` = ``±A/3, ±A`` for the code
+    ``c = round(x/scale + 1.5)`` clamped to [0, 3]; no level is zero, which error feedback (the
+    downlink's anchor, a push's residual) makes good. Worst-case error ``A/3``.
 ``e3m0`` (wire id 5)
     ``scale = A``; a code is a sign bit (bit 3) and a 3-bit exponent e: magnitude
     ``scale·2^(e-7)`` for e = 1..7 and zero for e = 0 (levels ``A·{0, 2^-6, …, 2^-1, 1}``).
@@ -78,7 +83,7 @@ MAX_BLOCK = 1 << 20
 _CHUNK_VALUES = (4 << 20) // 4  # 4 MiB of float32 input per chunk
 _TINY = float(np.finfo(np.float32).smallest_subnormal)  # 2^-149
 
-QUANT_WIRE_IDS: dict[str, int] = {"int8": 3, "int4": 4, "e3m0": 5, "int4-log": 6}
+QUANT_WIRE_IDS: dict[str, int] = {"int8": 3, "int4": 4, "e3m0": 5, "int4-log": 6, "int2": 7}
 
 # Level magnitudes (multiples of the block scale) by 3-bit index, exactly as float32.
 E3M0_LEVELS: tuple[float, ...] = (0.0, *(math.ldexp(1.0, e - 7) for e in range(1, 8)))
@@ -91,13 +96,14 @@ INT4_LOG_LEVELS: tuple[float, ...] = tuple(
 # Worst-case |x - decoded| as a fraction of the block absmax, before float32 rounding.
 ERROR_BOUNDS: dict[str, float] = {
     "int8": 1 / 254,
+    "int2": 1 / 3,
     "int4": 1 / 14,
     "e3m0": 1 / 4,
     "int4-log": (1.0 - INT4_LOG_LEVELS[6]) / 2,
 }
 
 _LEVELS = {"e3m0": E3M0_LEVELS, "int4-log": INT4_LOG_LEVELS}
-_QMAX = {"int8": 127, "int4": 7}
+_QMAX = {"int8": 127.0, "int4": 7.0, "int2": 1.5}  # the largest code's multiple of the scale
 
 
 def _code_values(name: str) -> np.ndarray:
@@ -105,6 +111,8 @@ def _code_values(name: str) -> np.ndarray:
     codes = np.arange(16)
     if name == "int4":
         return (codes - 8).astype(np.float32)
+    if name == "int2":
+        return ((codes & 3) - 1.5).astype(np.float32)
     levels = np.asarray(_LEVELS[name], dtype=np.float32)
     return np.where(codes & 8, -1.0, 1.0).astype(np.float32) * levels[codes & 7]
 
@@ -112,7 +120,8 @@ def _code_values(name: str) -> np.ndarray:
 class QuantCodec:
     """One block-quantized codec at one block size; satisfies ``yeto_core.codecs.Codec``."""
 
-    __slots__ = ("_pair_table", "_qmax", "_t0", "_t1", "_table", "block", "compiled", "name", "wire_id")
+    __slots__ = ("_pair_table", "_qmax", "_quad_table", "_t0", "_t1", "_table", "block", "compiled", "name",
+                 "wire_id")
 
     def __init__(self, name: str, block: int = DEFAULT_BLOCK) -> None:
         if name not in QUANT_WIRE_IDS:
@@ -125,23 +134,25 @@ class QuantCodec:
         self._qmax = _QMAX.get(name, 0)
         self._t0 = self._t1 = 0.0
         self._pair_table: torch.Tensor | None = None
+        self._quad_table: torch.Tensor | None = None
         self._table = _code_values(name) if name != "int8" else np.zeros(16, dtype=np.float32)
         self.compiled = quant_kernels.AVAILABLE  # False: the torch path (the tests hold both to the same bits)
         if name in _LEVELS:
             levels = np.asarray(_LEVELS[name], dtype=np.float64)
             mids = ((levels[:-1] + levels[1:]) / 2).astype(np.float32)
             self._t0, self._t1 = float(mids[0]), float(mids[1])
-        if name != "int8":
+        byte = np.arange(256)
+        if name == "int2":  # one gather per packed byte yields its four values, lowest bits first
+            self._quad_table = torch.from_numpy(np.stack([self._table[(byte >> s) & 3] for s in (0, 2, 4, 6)], axis=1))
+        elif name != "int8":  # ... its two values, low nibble first
             values = _code_values(name)
-            byte = np.arange(256)
-            # One gather per packed byte yields its two values, low nibble first.
             self._pair_table = torch.from_numpy(np.stack([values[byte & 15], values[byte >> 4]], axis=1))
 
     def __repr__(self) -> str:
         return f"quant_codec({self.name!r}, block={self.block})"
 
     def _code_bytes(self, n: int) -> int:
-        return n if self.name == "int8" else (n + 1) // 2
+        return n if self.name == "int8" else (n + 3) // 4 if self.name == "int2" else (n + 1) // 2
 
     def encoded_nbytes(self, numel: int) -> int:
         nfull, last = divmod(numel, self.block)
@@ -179,7 +190,9 @@ class QuantCodec:
         wire = np.frombuffer(dst, dtype=np.uint8)
         x = src.detach().numpy()
         params: tuple[float | bool, ...]
-        if self._qmax:
+        if self.name == "int2":
+            kernel, params = "encode_int2", ()
+        elif self._qmax:
             kernel, params = "encode_linear", (float(self._qmax), self.name == "int4")
         else:
             kernel, params = "encode_level", (self._t0, self._t1, self.name == "int4-log")
@@ -242,11 +255,13 @@ class QuantCodec:
             if bool(high.any()):  # near float32's max: round down instead, so q·scale stays finite
                 scale = torch.where(high, torch.nextafter(scale, torch.tensor(0.0, device=dev)), scale)
             torch.div(x, scale.clamp_min(_TINY).unsqueeze(1), out=work)
-            work.round_().clamp_(-qmax, qmax)
-            if self.name == "int8":
-                w[:, 4:].view(torch.int8).copy_(work)
+            if self.name == "int2":  # the nearest of the levels (c − 1.5)·scale
+                work.add_(qmax).round_().clamp_(0, 2 * qmax)
+                self._pack_quads(work, w)
+            elif self.name == "int8":
+                w[:, 4:].view(torch.int8).copy_(work.round_().clamp_(-qmax, qmax))
             else:
-                work.add_(8)
+                work.round_().clamp_(-qmax, qmax).add_(8)
                 self._pack(work, w)
         else:
             # Nearest level in linear space without a search: past the first midpoint t1 (between
@@ -276,6 +291,17 @@ class QuantCodec:
         packed = torch.bitwise_right_shift(pairs, 4)
         packed.bitwise_or_(pairs).bitwise_and_(0xFF)
         w[:, 4:].copy_(packed)
+
+    def _pack_quads(self, codes: torch.Tensor, w: torch.Tensor) -> None:
+        """Codes 0..3 [nb, b] → bytes, four a byte, lowest bits first, into ``w[:, 4:]``."""
+        nb, b = codes.shape
+        width = -(-b // 4) * 4
+        quads = torch.zeros((nb, width), dtype=torch.uint8, device=codes.device)
+        quads[:, :b].copy_(codes)
+        v = quads.view(torch.int32)  # little-endian: code k of four in bits 8k..8k+1
+        packed = v.bitwise_or(torch.bitwise_right_shift(v, 6))
+        packed.bitwise_or_(torch.bitwise_right_shift(v, 12)).bitwise_or_(torch.bitwise_right_shift(v, 18))
+        w[:, 4:].copy_(packed.bitwise_and_(0xFF))
 
     # ---- decode -------------------------------------------------------------------------------
 
@@ -418,15 +444,17 @@ class QuantCodec:
         width = rows.shape[1] - 4
         packed = torch.empty((nb, width), dtype=torch.uint8)
         np.copyto(packed.numpy(), rows[:, 4:])
-        assert self._pair_table is not None
-        table = self._pair_table if dev.type == "cpu" else self._pair_table.to(dev)
+        per_byte = 4 if self.name == "int2" else 2
+        held = self._quad_table if self.name == "int2" else self._pair_table
+        assert held is not None
+        table = held if dev.type == "cpu" else held.to(dev)
         index = packed.view(-1).to(device=dev, dtype=torch.int32)
-        if b == 2 * width:
-            torch.index_select(table, 0, index, out=dest.view(nb * width, 2))
+        if b == per_byte * width:
+            torch.index_select(table, 0, index, out=dest.view(nb * width, per_byte))
             dest.mul_(scale)
-        else:  # odd block: the last byte's high nibble is padding
-            pairs = torch.index_select(table, 0, index).view(nb, 2 * width)
-            torch.mul(pairs[:, :b], scale, out=dest)
+        else:  # a block that does not fill its last byte: the rest of it is padding
+            values = torch.index_select(table, 0, index).view(nb, per_byte * width)
+            torch.mul(values[:, :b], scale, out=dest)
 
 
 def _as_bytes(name: str, buf: memoryview, expected: int | None) -> memoryview:
@@ -440,7 +468,7 @@ def _as_bytes(name: str, buf: memoryview, expected: int | None) -> memoryview:
 
 
 def quant_codec(name: str, block: int = DEFAULT_BLOCK) -> QuantCodec:
-    """The block-quantized codec ``name`` (int8, int4, e3m0, int4-log) at block size ``block``.
+    """The block-quantized codec ``name`` (int8, int4, e3m0, int4-log, int2) at block size ``block``.
 
     The same (name, block) gives the same object, however the arguments are spelled.
     """

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 AVAILABLE = importlib.util.find_spec("numba") is not None
-KINDS = {"int8": 0, "int4": 1, "e3m0": 2, "int4-log": 3}
+KINDS = {"int8": 0, "int4": 1, "e3m0": 2, "int4-log": 3, "int2": 4}
 MIN_BLOCKS_PER_RANGE = 2048  # a range below ~256K values costs more to hand over than it saves
 _kernels: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -41,7 +41,7 @@ def kernels() -> dict[str, Any]:
             from yeto_core import quant_loops  # lazy: imports numba
 
             _kernels.update(encode_linear=quant_loops.encode_linear, encode_level=quant_loops.encode_level,
-                            decode=quant_loops.decode)
+                            encode_int2=quant_loops.encode_int2, decode=quant_loops.decode)
     return _kernels
 
 

@@ -165,12 +165,42 @@ def encode_level(x: Any, block: int, t0: float, t1: float, square: bool, wire: A
         store(codes, pairs, wire, i * stride, block, True)
 
 
+@numba.njit(fastmath=FINITE_MATH, **OPTS)
+def encode_int2(x: Any, block: int, wire: Any, scales: Any, bad: Any, first: int, last: int) -> None:
+    """int2: the code c = round(x/scale + 1.5) within 0..3 (the level (c − 1.5)·scale), scale =
+    A/1.5 as `int_scale` makes it, four codes a byte, lowest bits first."""
+    stride = 4 + (block + 3) // 4
+    x, wire = x[first * block : last * block], wire[first * stride : last * stride]  # as encode_linear
+    scales, bad = scales[first:last], bad[first:last]
+    bits = x.view(np.uint32)
+    one = np.empty(1, dtype=np.float32)
+    one_bits = one.view(np.uint32)
+    tiny = np.float32(1.401298464324817e-45)
+    half_range = np.float32(1.5)
+    codes = np.zeros(4 * (block // 4 + 1), dtype=np.uint8)  # whole bytes' worth: the padding stays 0
+    for i in range(last - first):
+        start = i * block
+        amax = block_amax(bits, start, block, one, one_bits)
+        if amax < 0:
+            bad[i] = first_bad(bits, start, block)
+            continue
+        bad[i] = -1
+        scale = int_scale(amax, half_range, one, one_bits)
+        d = max(scale, tiny)
+        scales[i] = scale
+        for j in range(block):
+            codes[j] = np.uint8(min(max(np.rint(x[start + j] / d + half_range), np.float32(0.0)), np.float32(3.0)))
+        row = i * stride + 4
+        for j in range((block + 3) // 4):
+            wire[row + j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6)
+
+
 @numba.njit(**OPTS)
 def decode(wire: Any, block: int, kind: int, table: Any, scales: Any, out: Any, first: int, last: int) -> None:
     """Blocks [first, last) of whole blocks (`out`'s size is a multiple of `block`): codes in
     `wire` (rows from its start) and the checked `scales` → values in `out` (the code's value ×
     scale, in float32, as torch's product)."""
-    stride = 4 + (block if kind == 0 else (block + 1) // 2)
+    stride = 4 + (block if kind == 0 else (block + 3) // 4 if kind == 4 else (block + 1) // 2)
     wire, scales = wire[first * stride : last * stride], scales[first:last]  # indexed from 0 (see
     out = out[first * block : last * block]  # encode_linear)
     for i in range(last - first):
@@ -180,6 +210,10 @@ def decode(wire: Any, block: int, kind: int, table: Any, scales: Any, out: Any, 
         if kind == 0:
             for j in range(block):
                 out[start + j] = np.float32(np.int8(wire[row + j])) * s
+        elif kind == 4:
+            for j in range(block):
+                byte = np.int32(wire[row + j // 4])
+                out[start + j] = table[(byte >> (2 * (j & 3))) & 3] * s
         else:
             for j in range(block // 2):
                 byte = np.int32(wire[row + j])  # (uint8 with int64 would unify to float64)

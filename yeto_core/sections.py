@@ -91,10 +91,11 @@ class LinkSettings(StreamSettings):
     data_streams: int = Field(default=2, ge=1, le=64, description="parallel TCP data streams")
     connect_timeout_s: float = Field(default=10.0, gt=0, le=HOUR_S, description="deadline of one dial + handshake")
     reconnect_max_s: float = Field(default=30.0, gt=0, le=HOUR_S, description="cap of the redial backoff")
-    downlink_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
+    downlink_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log", "int2"] = Field(
         default="f32", description="how broadcasts reach this learner: f32, each fragment exact; or a code of "
         "(Θ − a hash-checked anchor both ends keep), whose error goes out with the fragment's next broadcast: "
-        "bf16 (16 bits a value), int8 (8.25), int4, e3m0 or int4-log (4.25); the final cut is always exact")
+        "bf16 (16 bits a value), int8 (8.25), int4, e3m0 or int4-log (4.25), int2 (2.25); the final cut is always "
+        "exact")
     bcast_delta: bool = Field(default=False, description="deprecated: downlink_dtype=bf16")
     overlap: bool = Field(default=True, description="Mix1: install by rebasing, θ ← Θ + (θ − θ at the push), "
                           "instead of blending with merge_alpha")

@@ -169,7 +169,7 @@ class LearnerSettings(FlatSettings):
                                       "steps); set: it must equal the syncer's, or the learner is refused")
     merge_alpha: float = Field(default=0.0, ge=0.0, le=1.0, description="without overlap, install "
                                "θ ← α·θ_local + (1−α)·Θ_global (0: overwrite)")
-    wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log"] = Field(
+    wire_dtype: Literal["f32", "bf16", "int8", "int4", "e3m0", "int4-log", "int2"] = Field(
         default="f32", description="dtype of pushed deltas (the block-quantized ones use push_block)")
     push_block: int = Field(default=128, ge=1, le=1 << 20, description="values per scale of quantized pushes")
     init_timeout_s: float = Field(default=600.0, ge=0, le=WEEK_S, description="wait for the initial cut at start")

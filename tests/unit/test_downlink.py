@@ -145,7 +145,7 @@ def test_with_full_every_zero_only_the_first_and_the_last_version_go_out_full() 
 
 
 @pytest.mark.parametrize(("name", "bits"), [("bf16", 16.0), ("int8", 8.25), ("int4", 4.25), ("e3m0", 4.25),
-                                            ("int4-log", 4.25)])
+                                            ("int4-log", 4.25), ("int2", 2.25)])
 def test_a_delta_costs_its_codecs_bits_per_value(name: str, bits: float) -> None:
     codec = downlink_codec(name)
     assert codec is not None

@@ -15,7 +15,7 @@ from yeto_core.quant import DEFAULT_BLOCK, E3M0_LEVELS, ERROR_BOUNDS, INT4_LOG_L
 
 pytestmark = pytest.mark.unit
 
-NAMES = ["int8", "int4", "e3m0", "int4-log"]
+NAMES = ["int8", "int4", "e3m0", "int4-log", "int2"]
 # Float32 slack on top of ERROR_BOUNDS: relative to the block absmax, plus a subnormal's worth.
 REL_SLACK = 2.0**-21
 ABS_SLACK = 2.0**-148
@@ -77,6 +77,7 @@ def test_bounds_are_attained_and_documented() -> None:
     assert ERROR_BOUNDS["int4"] == 1 / 14
     assert ERROR_BOUNDS["e3m0"] == 1 / 4
     assert ERROR_BOUNDS["int4-log"] == pytest.approx((1 - 2**-0.5) / 2, rel=1e-7)
+    assert ERROR_BOUNDS["int2"] == 1 / 3
     assert (0.0, *(2.0 ** (e - 7) for e in range(1, 8))) == E3M0_LEVELS
     assert pytest.approx((0.0, *(2.0 ** ((k - 7) / 2) for k in range(1, 8))), rel=1e-7) == INT4_LOG_LEVELS
     # Halfway points between levels come within float32 rounding of each bound.
@@ -85,6 +86,7 @@ def test_bounds_are_attained_and_documented() -> None:
         "int4": [1.0, 0.5 / 7],
         "e3m0": [1.0, 0.75],
         "int4-log": [1.0, (1 + INT4_LOG_LEVELS[6]) / 2],
+        "int2": [1.0, 0.0],  # levels ±1/3, ±1: zero is halfway between −1/3 and 1/3
     }
     for name, probe in probes.items():
         codec = quant_codec(name, 2)
@@ -104,6 +106,13 @@ def _exact_payload(name: str, block: int, numel: int, draw: st.DrawFn) -> bytes:
             q = rng.integers(-127, 128, n)
             q[rng.integers(n)] = rng.choice([-127, 127])
             parts += [struct.pack("<f", scale), q.astype(np.int8).tobytes()]
+            continue
+        if name == "int2":  # (c − 1.5)·scale: a block's largest is 1.5·scale, so scale stays exact
+            codes = rng.integers(0, 4, n)
+            codes[rng.integers(n)] = rng.choice([0, 3])
+            codes = np.concatenate([codes, np.zeros(-n % 4, dtype=codes.dtype)])
+            packed = (codes[0::4] | (codes[1::4] << 2) | (codes[2::4] << 4) | (codes[3::4] << 6)).astype(np.uint8)
+            parts += [struct.pack("<f", scale), packed.tobytes()]
             continue
         if name == "int4":
             codes = rng.integers(1, 16, n)
@@ -135,6 +144,8 @@ GOLDEN = {
     "int4": ([7.0, -3.5, 1.0, 0.0, 14.0], "04000000 0000803f 4f89 00000040 0f", -4.0),
     "e3m0": ([1.0, -0.5, 0.25, 0.0, 3.0], "04000000 0000803f e705 00004040 07", -0.5),
     "int4-log": ([1.0, -0.5, 0.125, 0.0, 3.0], "04000000 0000803f d701 00004040 07", -0.5),
+    # scale 1.5/1.5: codes 3, 0 (−1 + 1.5 = 0.5, a tie, to even), 2, 1 in one byte 0b01_10_00_11
+    "int2": ([1.5, -1.0, 0.5, -0.5, 3.0], "04000000 0000803f 63 00000040 03", -1.5),
 }
 
 
@@ -163,12 +174,12 @@ def test_zero_block_and_empty() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_encoded_nbytes(name: str) -> None:
     codec = quant_codec(name, 128)
-    code_bytes = (lambda n: n) if name == "int8" else (lambda n: (n + 1) // 2)
+    code_bytes = {"int8": lambda n: n, "int2": lambda n: (n + 3) // 4}.get(name, lambda n: (n + 1) // 2)
     for numel in [0, 1, 127, 128, 129, 1000, 1 << 20]:
         nfull, last = divmod(numel, 128)
         expected = 4 + nfull * (4 + code_bytes(128)) + (4 + code_bytes(last) if last else 0)
         assert codec.encoded_nbytes(numel) == expected
-    assert quant_codec(name, 5).encoded_nbytes(7) == 4 + 8 + (7 if name == "int8" else 3 + 1)
+    assert quant_codec(name, 5).encoded_nbytes(7) == 4 + 8 + {"int8": 7, "int2": 2 + 1}.get(name, 3 + 1)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -221,7 +232,8 @@ def test_large_input_spans_chunks() -> None:
 
 
 def test_registry() -> None:
-    assert {i: WIRE_CODEC_NAMES[i] for i in range(3, 7)} == {3: "int8", 4: "int4", 5: "e3m0", 6: "int4-log"}
+    assert {i: WIRE_CODEC_NAMES[i] for i in range(3, 8)} == {3: "int8", 4: "int4", 5: "e3m0", 6: "int4-log",
+                                                             7: "int2"}
     for name in NAMES:
         codec = codec_by_name(name)
         assert codec is quant_codec(name) is quant_codec(name, DEFAULT_BLOCK)
@@ -230,7 +242,7 @@ def test_registry() -> None:
         assert isinstance(codec, QuantCodec) and codec.block == 128 and codec.name == name
     assert codec_by_name("f32", block=64) is F32
     assert codec_by_id(2, block=64) is BF16
-    with pytest.raises(ValueError, match="accepted: f32, bf16, int8, int4, e3m0, int4-log"):
+    with pytest.raises(ValueError, match="accepted: f32, bf16, int8, int4, e3m0, int4-log, int2"):
         codec_by_name("fp8")
     with pytest.raises(ValueError, match=r"known: 1 \(f32\), 2 \(bf16\), 3 \(int8\), 4 \(int4\), 5 \(e3m0\)"):
         codec_by_id(9)
