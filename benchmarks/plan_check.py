@@ -532,7 +532,7 @@ def case_netns(args: argparse.Namespace, workdir: Path, cal: Calibration) -> lis
         say(f"netns: skipped: {why}")
         return [Row("netns", "skipped", 0.0, None, "", why)]
     seconds = 12.0 if args.quick else 20.0
-    arms = [("f32", "f32")] if args.quick else [("f32", "f32"), ("int8", "bf16-delta")]
+    arms = [("f32", "f32")] if args.quick else [("f32", "f32"), ("int8", "bf16")]
     say(f"netns: 2 learners behind a 20 Mbit/s tbf-shaped veth, {seconds:g} s per arm: "
         f"{', '.join('/'.join(a) for a in arms)}")
     rows = []
@@ -564,7 +564,7 @@ def learner_main(argv: list[str]) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     settings = load_settings(LearnerSettings, syncer=args.syncer, key_file=args.key_file, learner_id=args.learner_id,
                              sync_interval=args.sync_interval, wire_dtype=args.codec,
-                             bcast_delta=args.downlink == "bf16-delta", init_timeout_s=60, final_timeout_s=5,
+                             downlink_dtype=args.downlink, init_timeout_s=60, final_timeout_s=5,
                              reconnect_max_s=1, connect_timeout_s=10)
     session = LearnerSession(settings, list(model.named_parameters()))
     halt = threading.Event()

@@ -26,9 +26,10 @@ The last line is `ratio push_ingest_f32/raw_loopback = X`.
    transfer of N × fragment bytes over N × streams (one receiver process, like the N clients in
    this one), taken right before each round.
 3. **Bytes on the wire per push** for each codec (`encoded_nbytes` of one fragment, block
-   `--block`), plus the PUSH frame and the CHUNK frame headers, relative to f32; and the bf16
-   downlink delta relative to a FULL broadcast (alone, and averaged with one FULL every
-   `--full-every` versions as the syncer does by default).
+   `--block`), plus the PUSH frame and the CHUNK frame headers, relative to f32 and as bits per
+   parameter; and each downlink delta codec's BCAST (block 128, as the syncer sends it) relative
+   to a FULL broadcast, also averaged with one FULL every `--full-every` versions when that is set
+   (the syncer sends none by default).
 4. **Codec speed**: each codec's `encode` (f32 tensor → preallocated wire buffer) and `decode`
    (→ preallocated f32 tensor) over `--elements` values, best of `--repeat`, as GB/s of f32 bytes,
    next to torch `copy_` into a preallocated tensor of the same size in the same run, at torch's
@@ -60,7 +61,7 @@ from benchmarks.ingest import (
 )
 from benchmarks.loopback import RawLoopback
 
-CODEC_NAMES = ("f32", "bf16", "int8", "int4", "e3m0", "int4-log")
+CODEC_NAMES = ("f32", "bf16", "int8", "int4", "e3m0", "int4-log", "int2")
 
 
 def parse_count(text: str) -> int:
@@ -232,31 +233,37 @@ def _wire_bytes(payload: int, head: int) -> int:
 
 
 def _bytes_section(numel: int, block: int, full_every: int) -> list[str]:
-    from yeto_core.codecs import BF16, F32, codec_by_name
+    from yeto_core.codecs import F32, codec_by_name
+    from yeto_core.downlink import DOWNLINK_DTYPES, downlink_codec
     from yeto_core.wire.messages import Bcast, Push, encode_frame
 
-    lines = [f"BYTES ON THE WIRE, one fragment of {numel:,} values ({numel * 4 / MIB:.1f} MiB f32), block {block}",
-             f"  {'codec':<14} {'payload bytes':>15} {'wire bytes':>15} {'payload/f32':>12} {'wire/f32':>9}"]
+    lines = [f"BYTES ON THE WIRE, one fragment of {numel:,} values ({numel * 4 / MIB:.1f} MiB f32), push block {block}",
+             f"  {'codec':<15} {'payload bytes':>15} {'wire bytes':>15} {'payload/f32':>12} {'wire/f32':>9} "
+             f"{'bits/param':>10}"]
     f32_payload = F32.encoded_nbytes(numel)
+
+    def row(name: str, payload: float, wire: float, wire_ref: float, note: str = "") -> str:
+        return (f"  {name:<15} {payload:>15,.0f} {wire:>15,.0f} {payload / f32_payload:>12.4f} {wire / wire_ref:>9.4f} "
+                f"{8 * payload / numel:>10.3f}{note}")
+
     push_head = len(encode_frame(Push(0, 0, 0, 0, 0, 0, 0, 0, f32_payload, F32.wire_id)))
     f32_wire = _wire_bytes(f32_payload, push_head)
     for name in CODEC_NAMES:
-        codec = codec_by_name(name, block=block)
-        payload = codec.encoded_nbytes(numel)
-        wire = _wire_bytes(payload, push_head)
-        lines.append(f"  {'PUSH ' + name:<14} {payload:>15,} {wire:>15,} {payload / f32_payload:>12.4f} "
-                     f"{wire / f32_wire:>9.4f}")
+        payload = codec_by_name(name, block=block).encoded_nbytes(numel)
+        lines.append(row("PUSH " + name, payload, _wire_bytes(payload, push_head), f32_wire))
     bcast_head = len(encode_frame(Bcast(0, 0, 0, 0, 0, f32_payload, F32.wire_id, b"\0" * 32)))
     full_wire = _wire_bytes(f32_payload, bcast_head)
-    d_payload = BF16.encoded_nbytes(numel)
-    d_wire = _wire_bytes(d_payload, bcast_head)
-    lines.append(f"  {'BCAST FULL':<14} {f32_payload:>15,} {full_wire:>15,} {1.0:>12.4f} {1.0:>9.4f}")
-    lines.append(f"  {'BCAST bf16':<14} {d_payload:>15,} {d_wire:>15,} {d_payload / f32_payload:>12.4f} "
-                 f"{d_wire / full_wire:>9.4f}   (downlink delta vs FULL)")
-    avg_p = ((full_every - 1) * d_payload + f32_payload) / full_every
-    avg_w = ((full_every - 1) * d_wire + full_wire) / full_every
-    lines.append(f"  {'  avg/ver':<14} {avg_p:>15,.0f} {avg_w:>15,.0f} {avg_p / f32_payload:>12.4f} "
-                 f"{avg_w / full_wire:>9.4f}   (one FULL every {full_every} versions)")
+    lines.append(row("BCAST f32", f32_payload, full_wire, full_wire, "   (exact: every version FULL)"))
+    for name in DOWNLINK_DTYPES[1:]:
+        codec = downlink_codec(name)
+        assert codec is not None
+        d_payload = codec.encoded_nbytes(numel)
+        d_wire = _wire_bytes(d_payload, bcast_head)
+        lines.append(row("BCAST " + name, d_payload, d_wire, full_wire, "   (downlink delta vs FULL)"))
+        if full_every > 1:
+            avg_p = ((full_every - 1) * d_payload + f32_payload) / full_every
+            avg_w = ((full_every - 1) * d_wire + full_wire) / full_every
+            lines.append(row("  avg/version", avg_p, avg_w, full_wire, f"   (one FULL every {full_every} versions)"))
     return lines
 
 

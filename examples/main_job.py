@@ -81,6 +81,20 @@ def committed_rounds(tape: Path) -> int:
     return sum(1 for line in tape.read_text().splitlines() if '"event": "commit"' in line)
 
 
+def wire_bits(tape: Path) -> tuple[float, float] | None:
+    """Bits per parameter each way over the run's commits, per learner: the pushes merged, and the
+    broadcasts to one learner (the tape's bytes_in, bytes_out, receivers and numel)."""
+    up = down = up_params = down_params = 0
+    for line in tape.read_text().splitlines() if tape.exists() else []:
+        if '"event": "commit"' not in line:
+            continue
+        c = json.loads(line)
+        up, down = up + c["bytes_in"], down + c["bytes_out"]
+        up_params += c["numel"] * len(c["learners"])
+        down_params += c["numel"] * c["receivers"]
+    return (8 * up / up_params, 8 * down / down_params) if up_params and down_params else None
+
+
 def start_syncer(run: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, str]:
     """The syncer, its address and its status page's address."""
     # No round budget: the syncer finalizes once both learners have trained their steps.
@@ -215,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  learner {ln.index}: first {ln.first_eval:.3f} -> final {ln.final_eval:.3f} "
               f"(steps {ln.step}, final cut installed: {ln.final_cut})")
     print(f"final global model: eval loss {final:.3f}, {committed_rounds(run / 'tape.jsonl')} rounds committed")
+    bits = wire_bits(run / "tape.jsonl")
+    if bits is not None:
+        print(f"the wire, per parameter of a round's fragment: {bits[0]:.2f} bits up (a push), {bits[1]:.2f} bits "
+              "down (a broadcast to one learner)")
     if baseline is not None and baseline.final_eval is not None:
         ratio = final / baseline.final_eval
         print(f"one island alone, the same {baseline.step} steps on learner 0's shard: eval loss "

@@ -38,6 +38,7 @@ from syncer.tools.plan_memory import (
     syncer_memory,
 )
 from syncer.tools.plan_wire import (
+    ALL_DOWNLINKS,
     ALL_PUSH_CODECS,
     DEFAULT_BLOCK,
     DOWNLINKS,
@@ -417,7 +418,8 @@ def _rank(pred: Prediction) -> tuple[int, int, int, int, int]:
     downlink first, then the smaller H (fewer local steps), then fewer rounds in flight (fresher
     merges), then fewer fragments (fewer rounds per H)."""
     c = pred.choice
-    return (ALL_PUSH_CODECS.index(c.codec), DOWNLINKS.index(c.downlink), c.sync_interval, c.pipeline, c.fragments)
+    return (ALL_PUSH_CODECS.index(c.codec), ALL_DOWNLINKS.index(c.downlink), c.sync_interval, c.pipeline,
+            c.fragments)
 
 
 def recommend(setup: Setup, search: Search) -> Recommendation:

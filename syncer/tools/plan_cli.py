@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from syncer.tools.plan import (
+    ALL_DOWNLINKS,
+    ALL_PUSH_CODECS,
     DOWNLINKS,
     ETHERNET_FRAME,
     GIB,
@@ -215,7 +217,7 @@ def describe(setup: Setup, rec: Recommendation, args: argparse.Namespace) -> lis
     lines += [f"  syncer:   python -m syncer --learners {m} --quorum {setup.quorum} --fragments {c.fragments} "
               f"--pipeline {c.pipeline} --sync-interval-steps {c.sync_interval}"]
     env = f"YETO_DILOCO_WIRE_DTYPE={c.codec}"  # H they take from the syncer at the handshake
-    lines += [f"  learners: {env}{' YETO_DILOCO_BCAST_DELTA=1' if c.downlink == 'bf16-delta' else ''}"]
+    lines += [f"  learners: {env}{f' YETO_DILOCO_DOWNLINK_DTYPE={c.downlink}' if c.downlink != 'f32' else ''}"]
     lines += ["", *prediction_lines(setup, best)]
     if rec.alternatives:
         lines += ["", "alternatives considered (the best plan of each other codec and downlink):",
@@ -330,8 +332,9 @@ def parser() -> argparse.ArgumentParser:
     host.add_argument("--heloco", action="store_true", help="--delta-correction heloco")
     choice = p.add_argument_group("the plan (each pins one knob; the rest are searched)")
     choice.add_argument("--h", type=int, help="H, inner steps per fragment round trip")
-    choice.add_argument("--codec", choices=("f32", "bf16", "int8", "int4", "e3m0", "int4-log"), help="push codec")
-    choice.add_argument("--downlink", choices=DOWNLINKS, help="broadcasts: exact f32 or bf16 deltas")
+    choice.add_argument("--codec", choices=ALL_PUSH_CODECS, help="push codec")
+    choice.add_argument("--downlink", choices=ALL_DOWNLINKS, help="broadcasts: exact f32, or deltas in a codec "
+                        "(YETO_DILOCO_DOWNLINK_DTYPE)")
     choice.add_argument("--fragments", type=int, help="P, fragments the model is split into")
     choice.add_argument("--pipeline", type=int, help="rounds in flight")
     choice.add_argument("--pattern", choices=("binpack", "strided"), default="binpack", help="fragment layout")

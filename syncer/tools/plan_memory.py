@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from syncer.tools.plan_wire import DEFAULT_BLOCK, moment_bytes, payload_bytes
+from syncer.tools.plan_wire import DEFAULT_BLOCK, downlink_payload_bytes, moment_bytes, payload_bytes
 
 if TYPE_CHECKING:
     from syncer.tools.plan import Choice, Setup
@@ -76,7 +76,7 @@ def syncer_memory(setup: Setup, choice: Choice, sizes: Sequence[int], answers: f
         params=4.0 * n_total,
         momentum=4.0 * n_total,
         accumulator=4.0 * n_total if host.delayed_nesterov else 0.0,
-        downlink_anchors=4.0 * n_total if choice.downlink == "bf16-delta" else 0.0,
+        downlink_anchors=4.0 * n_total if choice.downlink != "f32" else 0.0,  # one chain: one codec in use
         answers_in_flight=float(depth * pushing * answer),
         merge_workspace=merge_workspace_bytes(n_max, pushing, depth, host.heloco, host.delayed_nesterov),
         broadcast_copy=4.0 * n_max,
@@ -113,7 +113,7 @@ def island_memory(choice: Choice, sizes: Sequence[int], block: int = DEFAULT_BLO
     moments yeto_core/moments.py (the moment of each push in flight, a broadcast's, two fragment
     scratches)."""
     n_total, n_max = sum(sizes), max(sizes)
-    down = 4 * n_max if choice.downlink == "f32" else 2 * n_max
+    down = downlink_payload_bytes(choice.downlink, n_max)
     depth = min(choice.pipeline, choice.fragments)
     moments = moment_bytes(n_max) * (depth + 1) + 8.0 * n_max if share_momentum else 0.0
     return IslandMemory(anchors=4.0 * n_total, work_buffers=4.0 * (STEADY_WORK_BUFFERS + 1) * n_max,

@@ -10,16 +10,20 @@ class PlanError(ValueError):
     """An input or a plan that cannot work; the message names the input and the reason."""
 
 
-# yeto_core/quant.py: DEFAULT_BLOCK values per f32 scale, a u32 block-size header per payload.
-DEFAULT_BLOCK = 128
+# yeto_core/quant.py: DEFAULT_BLOCK values per f32 scale, a u32 block-size header per payload;
+# yeto_core/downlink.py codes its deltas in blocks of DOWNLINK_BLOCK.
+DEFAULT_BLOCK = DOWNLINK_BLOCK = 128
 # Push codecs from the most precise to the least (yeto_core/quant.py ERROR_BOUNDS); e3m0 and
 # int4-log cost int4's bytes with larger errors, so the planner never prefers them.
-PUSH_CODECS = ("f32", "bf16", "int8", "int4")
+PUSH_CODECS = ("f32", "bf16", "int8", "int4", "int2")
 ALL_PUSH_CODECS = (*PUSH_CODECS, "e3m0", "int4-log")
-# The syncer's broadcasts (syncer/core/outbox.py): the exact f32 fragment, or bf16(Θ − anchor) with a
-# FULL f32 refresh every `--bcast-delta-full-every` versions (yeto_core/downlink.py).
-DOWNLINKS = ("f32", "bf16-delta")
-BCAST_FULL_EVERY = 8
+# The syncer's broadcasts (syncer/core/outbox.py): the exact f32 fragment, or a code of
+# (Θ − anchor) in a delta codec (yeto_core/downlink.py, blocks of 128), with a FULL f32 refresh
+# every `--bcast-delta-full-every` versions when set (none by default); the same order and the
+# same two the planner never prefers.
+DOWNLINKS = ("f32", "bf16", "int8", "int4", "int2")
+ALL_DOWNLINKS = (*DOWNLINKS, "e3m0", "int4-log")
+BCAST_FULL_EVERY = 0
 
 # PROTOCOL §2–§3: a 12-byte frame header; PULL, PUSH and BCAST bodies; payloads cut into
 # 4 MiB CHUNK frames of 36 bytes of headers each (yeto_core/wire/messages.py).
@@ -44,7 +48,7 @@ def payload_bytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
     full, last = divmod(numel, block)
 
     def codes(n: int) -> int:
-        return n if codec == "int8" else (n + 1) // 2
+        return n if codec == "int8" else (n + 3) // 4 if codec == "int2" else (n + 1) // 2
 
     return 4 + full * (4 + codes(block)) + (4 + codes(last) if last else 0)
 
@@ -66,15 +70,23 @@ def moment_bytes(numel: int) -> int:
 
 def bcast_wire_bytes(downlink: str, numel: int, full_every: int = BCAST_FULL_EVERY) -> float:
     """One broadcast of a fragment to one learner, with the PULL of the next round (small, same
-    direction). bf16 deltas: the mean over versions of full_every − 1 deltas and one FULL."""
+    direction). Deltas: with `full_every` set, the mean over versions of full_every − 1 deltas
+    and one FULL (the FULLs of joins and of a fragment's last version are left out: one each)."""
     pull = FRAME_HEADER + PULL_BODY
     full = bulk_frames(4 * numel, BCAST_BODY)
     if downlink == "f32":
         return full + pull
-    if downlink != "bf16-delta":
-        raise PlanError(f"--downlink {downlink!r}: accepted: {', '.join(DOWNLINKS)}")
-    delta = bulk_frames(2 * numel, BCAST_BODY)
-    return ((full_every - 1) * delta + full) / full_every + pull
+    if downlink not in ALL_DOWNLINKS:
+        raise PlanError(f"--downlink {downlink!r}: accepted: {', '.join(ALL_DOWNLINKS)}")
+    delta = bulk_frames(downlink_payload_bytes(downlink, numel), BCAST_BODY)
+    if full_every > 1:
+        return ((full_every - 1) * delta + full) / full_every + pull
+    return delta + pull
+
+
+def downlink_payload_bytes(downlink: str, numel: int) -> int:
+    """A broadcast's payload: the exact fragment, or its delta code (yeto_core/downlink.py)."""
+    return payload_bytes(downlink, numel, DOWNLINK_BLOCK)
 
 
 def on_the_wire(forward: float, reverse: float, efficiency: float) -> float:

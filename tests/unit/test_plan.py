@@ -35,7 +35,7 @@ from syncer.tools.plan import (
 from syncer.tools.plan_cli import main
 from syncer.tools.plan_memory import RUNTIME_BYTES
 from syncer.tools.plan_model import PRESETS, decoder_tensors, lora_tensors
-from syncer.tools.plan_wire import payload_bytes
+from syncer.tools.plan_wire import DOWNLINKS, PUSH_CODECS, payload_bytes
 from yeto_core.codecs import codec_by_name
 from yeto_core.layout import TensorSpec, build_layout
 from yeto_core.wire.messages import CHUNK_HEADER, HEADER, Bcast, Pull, Push, encode_frame
@@ -157,9 +157,14 @@ def test_frames_are_the_protocols() -> None:
     n = 5 << 18
     assert push_wire_bytes("f32", n) == push + 4 * n + 2 * chunk
     assert bcast_wire_bytes("f32", n) == bcast + 4 * n + 2 * chunk + pull
-    # bf16 deltas: seven of 2.5 MiB (one chunk each) and one FULL, averaged, plus the PULL.
-    assert bcast_wire_bytes("bf16-delta", n) == pytest.approx((7 * (bcast + 2 * n + chunk) +
-                                                               (bcast + 4 * n + 2 * chunk)) / 8 + pull)
+    # a bf16 delta is 2.5 MiB (one chunk), plus the PULL; with a FULL every 8 versions, the mean
+    # of seven deltas and one FULL.
+    assert bcast_wire_bytes("bf16", n) == bcast + 2 * n + chunk + pull
+    assert bcast_wire_bytes("bf16", n, full_every=8) == pytest.approx((7 * (bcast + 2 * n + chunk) +
+                                                                       (bcast + 4 * n + 2 * chunk)) / 8 + pull)
+    # block-quantized deltas: a block-size header, and per 128 values a scale and the codes
+    for name, code_bytes in (("int8", 128), ("int4", 64), ("int2", 32)):
+        assert bcast_wire_bytes(name, n) == bcast + 4 + (n // 128) * (4 + code_bytes) + chunk + pull
 
 
 def test_line_bytes_by_hand() -> None:
@@ -260,15 +265,14 @@ def test_recommend_takes_a_small_interval_then_the_most_precise_codec() -> None:
     best = recommend(setup, search).best
     assert best.utilization >= 0.95
     smallest = {(c, d): recommend(setup, replace(search, codecs=(c,), downlinks=(d,))).best.choice.sync_interval
-                for c in ("f32", "bf16", "int8", "int4") for d in ("f32", "bf16-delta")}
+                for c in PUSH_CODECS for d in DOWNLINKS}
     band = min(smallest.values()) * 1.1  # an H within 10% of the smallest counts as small
     assert best.choice.sync_interval == smallest[best.choice.codec, best.choice.downlink] <= band
     assert smallest["f32", "f32"] > 160 and best.choice.sync_interval < 100
     # every more precise combination needs a larger H than the band allows
-    rank = ("f32", "bf16", "int8", "int4")
     for (codec, downlink), h in smallest.items():
-        if (rank.index(codec), downlink == "bf16-delta") < (rank.index(best.choice.codec),
-                                                           best.choice.downlink == "bf16-delta"):
+        if (PUSH_CODECS.index(codec), DOWNLINKS.index(downlink)) < (PUSH_CODECS.index(best.choice.codec),
+                                                                    DOWNLINKS.index(best.choice.downlink)):
             assert h > band, (codec, downlink, h)
     # and nothing smaller than the chosen H would do with the chosen codec
     assert predict(setup, replace(best.choice, sync_interval=best.choice.sync_interval - 4)).utilization < 0.95
@@ -294,8 +298,8 @@ def test_refuses_when_no_interval_reaches_the_target() -> None:
 
 def test_refuses_a_run_too_short_for_one_round_trip() -> None:
     setup = Setup(flat_model(*[1_000_000] * 4), two_islands(), 2, HOST)
-    with pytest.raises(PlanError, match=r"--steps 50: the smallest workable H"):
-        recommend(setup, Search(run_steps=50))
+    with pytest.raises(PlanError, match=r"--steps 20: the smallest workable H"):
+        recommend(setup, Search(run_steps=20))
 
 
 @pytest.mark.parametrize(("islands", "quorum", "match"), [
@@ -421,6 +425,6 @@ def test_an_islands_memory_counts_anchors_work_buffers_and_one_payload_each_way(
     assert (f32.anchors, f32.work_buffers, f32.push_payload, f32.broadcast_receive) == (
         4.0 * 6000, 4.0 * 3 * 3000, 4.0 * 3000, 4.0 * 3000)
     assert f32.total == 4.0 * 6000 + 4.0 * 5 * 3000
-    int8 = island_memory(Choice(24, "int8", "bf16-delta", 3, 2), sizes)
+    int8 = island_memory(Choice(24, "int8", "bf16", 3, 2), sizes)
     assert int8.push_payload == payload_bytes("int8", 3000) and int8.broadcast_receive == 2.0 * 3000
     assert int8.anchors == f32.anchors and int8.work_buffers == f32.work_buffers
