@@ -92,6 +92,7 @@ class DownlinkAnchors:
         self.codec = codec
         self.anchors: list[torch.Tensor | None] = [None] * num_fragments
         self.digests: list[bytes] = [b""] * num_fragments
+        self.versions: list[int] = [-1] * num_fragments  # the fragment version each anchor stands for
 
     def held(self, fragment: int) -> bool:
         return self.anchors[fragment] is not None
@@ -103,14 +104,16 @@ class DownlinkAnchors:
         periodic = self.full_every > 0 and version % self.full_every == 0
         return self.anchors[fragment] is None or last or periodic
 
-    def install(self, fragment: int, anchor: torch.Tensor, digest: bytes) -> None:
+    def install(self, fragment: int, anchor: torch.Tensor, digest: bytes, version: int) -> None:
         self.anchors[fragment] = anchor
         self.digests[fragment] = digest
+        self.versions[fragment] = version
 
     def drop(self, fragment: int) -> None:
         """Nobody follows the chain: restart it with a FULL later."""
         self.anchors[fragment] = None
         self.digests[fragment] = b""
+        self.versions[fragment] = -1
 
 
 class DownlinkChains:
@@ -129,6 +132,33 @@ class DownlinkChains:
             chain = self.by_id[codec.wire_id] = DownlinkAnchors(self.num_fragments, self.full_every, codec)
         return chain
 
+    def whole(self) -> tuple[dict[int, list[torch.Tensor]], dict[int, list[int]]]:
+        """The chains that hold an anchor of every fragment, and their versions: what a checkpoint
+        keeps (a chain missing a fragment starts again with FULLs after a resume anyway)."""
+        anchors: dict[int, list[torch.Tensor]] = {}
+        versions: dict[int, list[int]] = {}
+        for wire_id, chain in self.by_id.items():
+            held = [a for a in chain.anchors if a is not None]
+            if len(held) == self.num_fragments:
+                anchors[wire_id], versions[wire_id] = held, list(chain.versions)
+        return anchors, versions
+
+    def restore(self, anchors: dict[int, list[torch.Tensor]], versions: dict[int, list[int]],
+                params: list[torch.Tensor], fragment_versions: list[int]) -> None:
+        """A resumed syncer's chains, from its checkpoint. An anchor saved between a commit and its
+        broadcast stands for the version before its fragment's: it is brought forward by the very
+        encode that broadcast made, so the chain holds the bits an uninterrupted run would have. An
+        anchor further behind (a checkpoint no yeto writes) leaves its fragment to a FULL."""
+        for wire_id, saved in anchors.items():
+            chain = self.of(codec_by_id(wire_id, block=DOWNLINK_BLOCK))
+            for f, anchor in enumerate(saved):
+                behind = fragment_versions[f] - versions[wire_id][f]
+                if behind == 1:
+                    encode_broadcast(anchor, params[f], chain.codec)
+                elif behind != 0:
+                    continue
+                chain.install(f, anchor, anchor_digest(anchor), fragment_versions[f])
+
 
 class DownlinkEncoder(DownlinkAnchors):
     """The anchors with the arithmetic done in place: each commit moves the shared anchor."""
@@ -137,7 +167,7 @@ class DownlinkEncoder(DownlinkAnchors):
         """The broadcast of `theta` (f32, CPU) as `fragment`'s `version`; advances the shared anchor."""
         full = self.full_at(fragment, version, last=last)
         anchor, out = encode_broadcast(None if full else self.anchors[fragment], theta, self.codec)
-        self.install(fragment, anchor, out.digest)
+        self.install(fragment, anchor, out.digest, version)
         return out
 
     def full(self, fragment: int) -> Broadcast:

@@ -1,6 +1,7 @@
 """One rule for the committed fragment tensors: nothing writes a tensor that someone still reads.
 
-A commit writes a fragment's params, momentum and outer accumulator in place. Two kinds of
+A commit writes a fragment's params, momentum and outer accumulator in place, and its broadcast's
+encode moves the fragment's downlink anchors in place. Two kinds of
 reader read committed tensors on threads of their own: a connection group's sender streaming a
 fragment's bytes without a copy (`outbox.py`), and a background checkpoint writing its snapshot
 (`snapshots.py`). Each takes a lease on the tensors it reads, a predicate that is true while it
@@ -21,7 +22,7 @@ import torch
 
 from yeto_core.buffers import BufferPool
 
-KINDS = ("param", "momentum", "accum")
+KINDS = ("param", "momentum", "accum")  # and a downlink chain's anchors, "downlink<codec id>"
 Reading = Callable[[], bool]  # True while the reader may still read the tensor
 
 COPY_POOL = BufferPool()  # host copies, recycled once no reader holds them (a warm buffer copies faster)
@@ -42,7 +43,7 @@ class Leases:
 
     def take(self, fragment: int, kind: str, reading: Reading) -> None:
         """A reader reads fragment `fragment`'s `kind` tensor while `reading()` is true."""
-        assert kind in KINDS, kind
+        assert kind in KINDS or kind.startswith("downlink"), kind
         self._held.setdefault((fragment, kind), []).append(reading)
 
     def leased(self, fragment: int, kind: str) -> bool:

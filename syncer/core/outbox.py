@@ -101,7 +101,7 @@ class Outbox:
         """The shell answered an `Encode`: the anchor it made is the chain's now."""
         downlinks = self.shared.downlinks
         assert downlinks is not None
-        downlinks.by_id[ev.codec].install(ev.fragment, ev.anchor, ev.broadcast.digest)
+        downlinks.by_id[ev.codec].install(ev.fragment, ev.anchor, ev.broadcast.digest, ev.version)
         key = (ev.codec, ev.fragment)
         self._encoding.discard(key)
         if key in self._for_sends:  # else the anchor alone was wanted: its payload is not kept

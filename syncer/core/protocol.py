@@ -137,6 +137,8 @@ class SyncerProtocol:
                 state.merged_by = [(-1, []) for _ in range(state.num_fragments)]
             self.shared.state = state
             self._adopt_layout(build_layout(state.specs, state.num_fragments, state.pattern))
+            assert self.shared.downlinks is not None
+            self.shared.downlinks.restore(state.downlink, state.downlink_versions, state.params, state.versions)
             self.shared.phase = Phase.RUNNING
             self.shared.merged_rounds = merged_rounds_of(state)  # a push sent twice is still refused
             trained = set(tokens_by_learner(state.ledger)) | set(members(state))
@@ -169,6 +171,14 @@ class SyncerProtocol:
     @property
     def phase(self) -> Phase:
         return self.shared.phase
+
+    def checkpoint_state(self) -> SyncerState | None:
+        """The committed state as a checkpoint keeps it: with the downlink's whole chains."""
+        state, downlinks = self.shared.state, self.shared.downlinks
+        if state is None or downlinks is None:
+            return state
+        state.downlink, state.downlink_versions = downlinks.whole()
+        return state
 
     def anchor(self, fragment: int, codec: int) -> torch.Tensor:
         """Fragment `fragment`'s downlink anchor of the codec with wire id `codec`, for a

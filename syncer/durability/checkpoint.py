@@ -31,7 +31,7 @@ import os
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from syncer.durability.stopping import StopRequest
+from yeto_core.downlink import DOWNLINK_WIRE_IDS
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import Layout, TensorSpec, build_layout
 
@@ -79,6 +80,12 @@ class SyncerState:
     # (empty: no commit yet, or a checkpoint from before this was kept). A learner that rebases
     # (overlap) learns from it, on reconnect, whether its last push is already in the fragment.
     merged_by: list[tuple[int, list[int]]] = field(default_factory=list)
+    # The downlink's chains (DESIGN §7.4), by the delta codec's wire id: every fragment's anchor
+    # and the version it stands for (its fragment's version, or one behind when the checkpoint
+    # was taken between a commit and that commit's encode). A resumed syncer brings those forward
+    # with the same encode and serves its learners the bits an uninterrupted run would.
+    downlink: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    downlink_versions: dict[int, list[int]] = field(default_factory=dict)
 
 
 def ledger_key(learner_id: int, generation: int) -> str:
@@ -114,12 +121,22 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
+def downlink_kind(wire_id: int) -> str:
+    """The file's name for the anchors of the downlink codec with `wire_id` (`downlink4/<tensor>`)."""
+    return f"downlink{wire_id}"
+
+
+def tensor_kinds(with_accum: bool, downlink_ids: Iterable[int] = ()) -> tuple[str, ...]:
+    """The kinds of tensor a checkpoint holds, in file order."""
+    return ("param", "momentum", *(("accum",) if with_accum else ()), *map(downlink_kind, sorted(downlink_ids)))
+
+
 def _tensor_names(
-    layout: Layout, with_accum: bool = False
+    layout: Layout, kinds: Sequence[str] = ("param", "momentum")
 ) -> Iterator[tuple[str, int, int, int, tuple[int, ...]]]:
     """(file name, fragment, offset, numel, shape) in file order: all params, then all momentum
-    (then the delayed-Nesterov accumulators, when the run keeps them)."""
-    kinds = ("param", "momentum", "accum") if with_accum else ("param", "momentum")
+    (then the delayed-Nesterov accumulators, when the run keeps them, then each downlink chain's
+    anchors)."""
     for kind in kinds:
         for frag in layout.fragments:
             for slot in frag.slots:
@@ -147,6 +164,15 @@ def _check_state(state: SyncerState, layout: Layout) -> None:
                 )
     if len(state.versions) != state.num_fragments:
         raise ValueError(f"SyncerState.versions has {len(state.versions)} entries")
+    for wire_id, anchors in state.downlink.items():
+        versions = state.downlink_versions.get(wire_id, [])
+        if len(anchors) != state.num_fragments or len(versions) != state.num_fragments:
+            raise ValueError(f"SyncerState.downlink[{wire_id}] has {len(anchors)} anchors and {len(versions)} "
+                             f"versions for {state.num_fragments} fragments")
+        for frag, anchor in zip(layout.fragments, anchors, strict=True):
+            if anchor.dtype != torch.float32 or anchor.dim() != 1 or anchor.numel() != frag.numel:
+                raise ValueError(f"SyncerState.downlink[{wire_id}][{frag.index}] must be flat float32 with "
+                                 f"{frag.numel} elements")
 
 
 def _metadata(state: SyncerState, checksums: dict[str, str]) -> str:
@@ -167,6 +193,7 @@ def _metadata(state: SyncerState, checksums: dict[str, str]) -> str:
         "outer_accum": state.outer_accum is not None,
         "outer_count": [int(c) for c in state.outer_count],
         "merged_by": [[int(r), sorted(int(i) for i in ids)] for r, ids in state.merged_by],
+        "downlink": {str(k): [int(v) for v in state.downlink_versions[k]] for k in sorted(state.downlink)},
     }
     return json.dumps(doc, sort_keys=True)
 
@@ -235,24 +262,25 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
     layout = build_layout(state.specs, state.num_fragments, state.pattern)
     _check_state(state, layout)
 
-    with_accum = state.outer_accum is not None
-    names = [name for name, *_ in _tensor_names(layout, with_accum)]
+    kinds = tensor_kinds(state.outer_accum is not None, state.downlink)
+    names = [name for name, *_ in _tensor_names(layout, kinds)]
     checksums = dict.fromkeys(names, "0" * _DIGEST_HEX[CHECKSUM])
 
     def header_bytes() -> bytes:
         header: dict[str, Any] = {"__metadata__": {_META_KEY: _metadata(state, checksums)}}
         begin = 0
-        for name, _, _, numel, shape in _tensor_names(layout, with_accum):
+        for name, _, _, numel, shape in _tensor_names(layout, kinds):
             header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [begin, begin + 4 * numel]}
             begin += 4 * numel
         head = json.dumps(header, separators=(",", ":")).encode("utf-8")
         return head + b" " * (-len(head) % 8)
 
     head = header_bytes()
-    total = 8 + len(head) + 4 * sum(numel for _, _, _, numel, _ in _tensor_names(layout, with_accum))
+    total = 8 + len(head) + 4 * sum(numel for _, _, _, numel, _ in _tensor_names(layout, kinds))
 
     tmp = path.with_name(path.name + ".tmp")
-    bufs = {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum or []}
+    bufs = {"param": state.params, "momentum": state.momentum, "accum": state.outer_accum or [],
+            **{downlink_kind(k): v for k, v in state.downlink.items()}}
     try:
         with (
             open(tmp, "wb") as f,
@@ -264,7 +292,7 @@ def save_checkpoint(path: Path, state: SyncerState, *, progress: bool = False,
             checks = _PieceChecks(pool, finite=False)
             f.write(struct.pack("<Q", len(head)) + head)
             bar.update(8 + len(head))
-            for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
+            for name, frag, offset, numel, _ in _tensor_names(layout, kinds):
                 kind = name.split("/", 1)[0]
                 with read(kind, frag) if read is not None else contextlib.nullcontext(bufs[kind][frag]) as source:
                     piece = source.detach()[offset : offset + numel]
@@ -328,6 +356,9 @@ def _parse(path: Path, doc: Any) -> tuple[list[TensorSpec], Layout, dict[str, An
             all(isinstance(r, int) and all(isinstance(i, int) for i in ids) for r, ids in doc.get("merged_by", [])),
             len(doc.get("merged_by", [])) in (0, doc["num_fragments"]),
             doc.get("checksum", "crc32") in _DIGEST_HEX,
+            isinstance(doc.get("downlink", {}), dict),
+            all(k.isdigit() and int(k) in DOWNLINK_WIRE_IDS and len(v) == doc["num_fragments"]
+                and all(isinstance(x, int) and x >= 0 for x in v) for k, v in doc.get("downlink", {}).items()),
             isinstance(doc.get("checksums", {}), dict),
             all(isinstance(v, str) and len(v) == _DIGEST_HEX.get(doc.get("checksum", "crc32"), -1)
                 for v in doc.get("checksums", {}).values()),
@@ -358,14 +389,14 @@ def _data_offsets(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
                           if k != "__metadata__"}
 
 
-def _read_tensors(path: Path, layout: Layout, with_accum: bool, checksums: dict[str, str] | None,
+def _read_tensors(path: Path, layout: Layout, kinds: Sequence[str], checksums: dict[str, str] | None,
                   bufs: dict[str, list[torch.Tensor]], kind: str) -> None:
     """Read every tensor straight into its fragment buffer, a piece at a time (no second copy),
     each piece's checksum (`kind`) and finiteness checked on a helper thread while the next one is read."""
     data_start, offsets = _data_offsets(path)
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as pool:
         checks = _PieceChecks(pool, finite=True, kind=kind)
-        for name, frag, offset, numel, _ in _tensor_names(layout, with_accum):
+        for name, frag, offset, numel, _ in _tensor_names(layout, kinds):
             begin, end = offsets[name]
             if end - begin != 4 * numel:
                 raise CheckpointError(f"checkpoint {path}: tensor {name} holds {end - begin} bytes, "
@@ -420,7 +451,9 @@ def load_checkpoint(
                     f"but this run uses {expect_backend!r}"
                 )
             with_accum = bool(doc.get("outer_accum", False))
-            expected = {name: shape for name, _, _, _, shape in _tensor_names(layout, with_accum)}
+            downlink_versions = {int(k): list(v) for k, v in doc.get("downlink", {}).items()}
+            kinds = tensor_kinds(with_accum, downlink_versions)
+            expected = {name: shape for name, _, _, _, shape in _tensor_names(layout, kinds)}
             present = set(f.keys())
             if missing := sorted(set(expected) - present):
                 raise CheckpointError(f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}")
@@ -443,9 +476,9 @@ def load_checkpoint(
                 raise CheckpointError(f"checkpoint {path}: its checksums do not name exactly its tensors")
         bufs = {
             kind: [torch.empty(frag.numel, dtype=torch.float32) for frag in layout.fragments]
-            for kind in ("param", "momentum", "accum")
+            for kind in kinds
         }
-        _read_tensors(path, layout, with_accum, checksums, bufs, doc.get("checksum", "crc32"))
+        _read_tensors(path, layout, kinds, checksums, bufs, doc.get("checksum", "crc32"))
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors reports truncation and bad headers as assorted errors
@@ -464,6 +497,8 @@ def load_checkpoint(
         finalized=doc["finalized"],
         extra=doc["extra"],
         outer_accum=bufs["accum"] if with_accum else None,
+        downlink={k: bufs[downlink_kind(k)] for k in downlink_versions},
+        downlink_versions=downlink_versions,
         outer_count=[int(c) for c in doc.get("outer_count", [])],
         merged_by=[(r, list(ids)) for r, ids in doc.get("merged_by", [])],
     )

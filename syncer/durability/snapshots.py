@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from syncer.core.leases import Leases
-from syncer.durability.checkpoint import CheckpointError, SyncerState, save_checkpoint
+from syncer.durability.checkpoint import CheckpointError, SyncerState, downlink_kind, save_checkpoint
 from syncer.durability.stopping import Stopped, StopRequest
 from yeto_core.faults import NO_FAULTS, FaultInjector
 from yeto_core.layout import build_layout
@@ -42,6 +42,8 @@ class SnapshotReads:
         self.kinds: dict[str, list[torch.Tensor]] = {"param": state.params, "momentum": state.momentum}
         if state.outer_accum is not None:
             self.kinds["accum"] = state.outer_accum
+        for wire_id, anchors in state.downlink.items():
+            self.kinds[downlink_kind(wire_id)] = anchors
         self._lock = threading.Lock()
         self.left: dict[tuple[str, int], int] = {}  # pieces still to read, per (kind, fragment)
         for frag in build_layout(state.specs, state.num_fragments, state.pattern).fragments:
@@ -91,7 +93,9 @@ class CheckpointWriter:
                 state, versions=list(state.versions), ledger=dict(state.ledger),
                 outer_count=list(state.outer_count), extra=dict(state.extra),
                 params=list(state.params), momentum=list(state.momentum),
-                outer_accum=None if state.outer_accum is None else list(state.outer_accum))
+                outer_accum=None if state.outer_accum is None else list(state.outer_accum),
+                downlink={k: list(v) for k, v in state.downlink.items()},
+                downlink_versions={k: list(v) for k, v in state.downlink_versions.items()})
             reads = SnapshotReads(snap)
             for f in range(state.num_fragments):
                 for kind in reads.kinds:

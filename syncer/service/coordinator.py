@@ -76,7 +76,7 @@ from syncer.core.leases import Leases
 from syncer.core.links import Phase, id_conflict
 from syncer.core.payload import decode_push, init_values
 from syncer.core.protocol import SyncerProtocol
-from syncer.durability.checkpoint import CheckpointError, SyncerState
+from syncer.durability.checkpoint import CheckpointError, SyncerState, downlink_kind
 from syncer.durability.checkpointing import DURABILITY_EXIT_CODE, Checkpointing, DurabilityLost
 from syncer.durability.stopping import POLL_S, Stopped, StopRequest
 from syncer.durability.tape import EventTape
@@ -347,7 +347,7 @@ class Coordinator:
             elif isinstance(effect, Checkpoint):
                 if self.iso is not None:  # nothing of the pool's may be outstanding at a durable cut
                     self.iso.drain()
-                held_ms = self.checkpoints.save(self.protocol.state, wait=effect.wait)
+                held_ms = self.checkpoints.save(self.protocol.checkpoint_state(), wait=effect.wait)
             elif isinstance(effect, FaultPoint):
                 if effect.drain and self.faults.armed(effect.name):
                     for ticket in tickets:  # so that "sent to some learners" holds when the point fires
@@ -370,6 +370,9 @@ class Coordinator:
             elif isinstance(effect, CheckInit | Encode) or (isinstance(effect, Decode) and effect.inline):
                 layout = self.protocol.layout
                 assert layout is not None
+                if isinstance(effect, Encode) and effect.lent is not None:  # a checkpoint may still read it
+                    kind = downlink_kind(effect.codec.wire_id)
+                    effect = dataclasses.replace(effect, lent=self.leases.fresh(effect.fragment, kind, effect.lent))
                 back.append(answer(effect, layout, self.device))
             elif isinstance(effect, Decode):
                 self._decode(effect)

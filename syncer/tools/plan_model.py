@@ -193,12 +193,13 @@ def checkpoint_tensors(headers: Sequence[dict[str, Any]]) -> tuple[list[Tensor],
     checkpoint (`param/<name>`, `momentum/<name>`) counts its params once; LoRA adapter tensors
     (names with `lora_`) are all that sync when present, as with `tuning auto`."""
     count = sum(len(h) for h in headers)
-    if count > 2 * MAX_TENSORS + len(headers):  # a syncer checkpoint lists each tensor twice, plus metadata
+    # a syncer checkpoint lists each tensor two to four times (and a downlink chain's), plus metadata
+    if count > 4 * MAX_TENSORS + len(headers):
         raise PlanError(f"--model: {count} tensors in the safetensors headers; at most {MAX_TENSORS} synced tensors "
                         "are planned for")
     entries = [(name, _numel(name, info)) for header in headers for name, info in header.items()
                if name != "__metadata__"]
-    if entries and all(n.startswith(("param/", "momentum/")) for n, _ in entries):
+    if entries and all(n.startswith(("param/", "momentum/", "accum/", "downlink")) for n, _ in entries):
         entries = [(n.removeprefix("param/"), k) for n, k in entries if n.startswith("param/")]
     total = sum(k for _, k in entries)
     adapters = [(n, k) for n, k in entries if "lora_" in n]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +234,64 @@ def test_learner_0_in_finish_seeds_a_syncer_restarted_without_resume(procs: Proc
     for (name, param), before in zip(island.model.named_parameters(), ended, strict=True):
         assert torch.equal(param.detach(), ckpt[name]), f"{name} differs from the new syncer's final checkpoint"
         assert torch.equal(before, ckpt[name]), f"{name}: the new syncer was not seeded with learner 0's weights"
+
+
+@pytest.mark.timeout(240)
+def test_a_resumed_syncer_serves_its_downlink_learners_the_anchors_they_hold(procs: Procs, key_file: Path) -> None:
+    """int4 downlinks: the checkpoint keeps the chain of anchors, so the FULL a learner gets when it
+    rejoins the resumed syncer holds the very bits it already had, where a chain started again
+    would send it the exact values instead; the run then ends bit-identical with the checkpoint."""
+    rounds = 48
+    # Background checkpoints: an encode that finds its anchor still read by the writer moves a copy.
+    common: dict[str, Any] = {"learners": 2, "quorum": 2, "fragments": FRAGMENTS, "total_rounds": rounds,
+                              "extra": ["--background-checkpoint"]}
+    first = start_syncer(procs, key_file=key_file, tape_name="tape-1.jsonl", **common)
+    assert first.checkpoint is not None
+    islands = [Island(first, key_file, i, downlink_dtype="int4") for i in range(2)]
+    try:
+        for island in islands:
+            island.start()
+        deadline = time.monotonic() + 90
+        while len(first.commits()) < 3 * FRAGMENTS:
+            assert time.monotonic() < deadline, "no 12 committed rounds\n" + procs.tails()
+            for island in islands:
+                island.train_step()
+            time.sleep(0.002)
+        first.proc.sigkill()
+        decoders = [island.session.link.downlink.reader.downlink for island in islands]  # type: ignore[union-attr]
+        assert all(d is not None for d in decoders)
+        held = [[a.clone() for a in d.anchors] for d in decoders]  # type: ignore[union-attr]
+        held_versions = [list(d.versions) for d in decoders]  # type: ignore[union-attr]
+        objects = [[id(a) for a in d.anchors] for d in decoders]  # type: ignore[union-attr]
+        saved = load_checkpoint(first.checkpoint)
+        assert list(saved.downlink) == [4] and not saved.finalized
+
+        second = start_syncer(procs, key_file=key_file, port=first.port, tape_name="tape-2.jsonl", resume=True,
+                              bind_retry_s=20, **common)
+        # Not stepping: the links redial on their own threads and take the full state.
+        wait_until(lambda: all(id(a) != o for d, obs in zip(decoders, objects, strict=True)
+                               for a, o in zip(d.anchors, obs, strict=True)), 60,  # type: ignore[union-attr]
+                   "every fragment resent to both learners", on_timeout=procs.tails)
+        compared = 0
+        for d, anchors, versions in zip(decoders, held, held_versions, strict=True):
+            for f in range(FRAGMENTS):
+                if versions[f] == saved.versions[f]:
+                    assert torch.equal(d.anchors[f], anchors[f]), f  # type: ignore[union-attr]
+                    assert not torch.equal(anchors[f], saved.params[f]), f  # an int4 chain's bits, not Θ's
+                    compared += 1
+        assert compared >= FRAGMENTS, (held_versions, saved.versions)
+        deadline = time.monotonic() + 120
+        while not all(i.finished for i in islands):
+            assert time.monotonic() < deadline, "the final cut did not reach every island\n" + procs.tails()
+            for island in islands:
+                if not island.finished:
+                    island.train_step()
+            time.sleep(0.002)
+    finally:
+        for island in islands:
+            island.close()
+    assert syncer_exit_code(second) == 0, second.proc.tail()
+    reference = checkpoint_params(first.checkpoint)
+    for island in islands:
+        for name, param in island.model.named_parameters():
+            assert torch.equal(param.detach(), reference[name]), name

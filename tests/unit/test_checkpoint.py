@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from syncer.durability.checkpoint import (
     CheckpointError,
     SyncerState,
+    _data_offsets,
     last_generations,
     ledger_key,
     load_checkpoint,
@@ -479,3 +480,31 @@ def test_damage_in_a_late_chunk_is_caught(tmp_path: Path, tiny_chunks: None, dam
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(path)
+
+
+def test_the_downlink_chains_round_trip_with_their_versions_and_their_checksums(tmp_path: Path) -> None:
+    state = make_state()
+    layout = build_layout(state.specs, 3, state.pattern)
+    g = torch.Generator().manual_seed(9)
+    state.downlink = {4: [torch.randn(f.numel, generator=g) for f in layout.fragments],
+                      7: [torch.randn(f.numel, generator=g) for f in layout.fragments]}
+    state.downlink_versions = {4: [3, 3, 3], 7: [4, 3, 3]}
+    path = tmp_path / "ckpt.safetensors"
+    save_checkpoint(path, state)
+    back = load_checkpoint(path)
+    assert back.downlink_versions == {4: [3, 3, 3], 7: [4, 3, 3]}
+    for wire_id, anchors in state.downlink.items():
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(back.downlink[wire_id], anchors, strict=True))
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+    assert "downlink4/model.norm.weight" in names and "downlink7/model.norm.weight" in names
+    raw = bytearray(path.read_bytes())  # one byte of an anchor changed on disk: its checksum names it
+    start, offsets = _data_offsets(path)
+    begin = start + offsets["downlink7/model.norm.weight"][0]
+    raw[begin] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"downlink7/model\.norm\.weight does not match its checksum"):
+        load_checkpoint(path)
+    state.downlink_versions = {4: [3, 3]}
+    with pytest.raises(ValueError, match=r"downlink\[4\] has 3 anchors and 2 versions"):
+        save_checkpoint(path, state)

@@ -9,6 +9,7 @@ compare with what the old inline code produced (`DownlinkEncoder`)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -419,6 +420,35 @@ def test_learners_on_two_downlink_codecs_get_one_encode_each_and_their_own_codec
         assert msg.digest == expect.digest and bytes(bcasts[lid].payload or b"") == bytes(expect.payload)
     downlinks = h.protocol.shared.downlinks
     assert downlinks is not None and sorted(downlinks.by_id) == sorted(references)
+
+
+def test_a_checkpoint_keeps_the_downlink_chains_and_a_resumed_syncer_holds_the_bits_it_would_have() -> None:
+    """The checkpoint is taken between a commit and its broadcast's encode: its anchor stands for
+    the version before. The resumed protocol brings it forward by that same encode, and its chain
+    then holds, bit for bit, the anchor the syncer that went on holds."""
+    int4 = codec_by_name("int4")
+    h = Hand()
+    h.join(0, downlink=int4.wire_id)
+    h.join(1, downlink=int4.wire_id)
+    pull = pulls(h.through(h.init(0.5)))[0]
+    h.through(h.push(0, pull, 1.0))
+    merge = h.through(h.push(1, pull, 3.0))[-1]
+    assert isinstance(merge, Merge)
+    effects = h.turn(h.merge(merge))
+    assert kinds(effects)[1] == "Checkpoint" and isinstance(effects[-1], Encode)  # the checkpoint, then the encode
+    saved = copy.deepcopy(h.protocol.checkpoint_state())  # what the checkpoint file holds
+    assert saved is not None and list(saved.downlink) == [int4.wire_id]
+    assert saved.versions == [1, 0] and saved.downlink_versions[int4.wire_id] == [0, 0]  # fragment 0: one behind
+    h.through(h.answer(effects))
+    live = h.protocol.shared.downlinks
+    assert live is not None and live.by_id[int4.wire_id].versions == [1, 0]
+    resumed = SyncerProtocol(h.settings, device=CPU, state=saved, now=h.now)
+    chains = resumed.shared.downlinks
+    assert chains is not None and chains.by_id[int4.wire_id].versions == [1, 0]
+    for f in (0, 1):
+        mine, theirs = chains.by_id[int4.wire_id], live.by_id[int4.wire_id]
+        assert torch.equal(resumed.anchor(f, int4.wire_id), h.protocol.anchor(f, int4.wire_id)), f
+        assert mine.digests[f] == theirs.digests[f], f
 
 
 # -- the shell ----------------------------------------------------------------------------------------------
