@@ -426,7 +426,7 @@ def _select(args: argparse.Namespace, base: Shape) -> tuple[dict[str, Arm], dict
     if args.picked_cells is not None:  # --arms names kinds of arm here; dp and alone always come
         kinds = set(args.arms.split(",")) | {"dp", "alone"} if args.arms else None
         arms = {a.name: a for cell in args.picked_cells for a in cell.arms()
-                if kinds is None or a.name.split(":", 1)[1] in kinds}
+                if (a.in_default_run if kinds is None else a.name.split(":", 1)[1] in kinds)}
         shapes = {a.name: cell.shape(base, lr=args.lr)
                   for cell in args.picked_cells for a in cell.arms() if a.name in arms}
         return arms, shapes

@@ -41,6 +41,11 @@ GAP_GOAL = 0.8  # M = 2, H = 24: share of the alone−dp gap closed
 DEEP_FAMILIES = FAMILIES[:2]  # the families of the H = 96, M = 4 and M = 8 cells
 SLOW_FACTOR = 4
 LONG_SHARE = 1.5  # yeto-slow-long's budget: the fleet's equal-token steps, and half again
+# The uplink x downlink pairs the wire arms compare (`--arms wire-i4i4,wire-i4i4-unpaced,...`; not
+# in `--matrix` unless named), each named absolutely so it stays what it says when defaults move:
+# f32 both ways is the reference the others are read against.
+WIRE_PAIRS = {"f32": ("f32", "f32"), "i8i8": ("int8", "int8"), "i4i4": ("int4", "int4"),
+              "i4i2": ("int4", "int2"), "i2i2": ("int2", "int2")}
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,14 @@ class Cell:
                              f"steps they take while {m - 1} and one at 1/{SLOW_FACTOR} take {m}·steps"),
                     Arm(f"{c}:wait", "yeto", slow=SLOW_FACTOR, lockstep_threads=True,
                         note="lockstep: every round waits for the slow island", **common)]
+        wire = [Arm(f"{c}:wire-{key}{'-unpaced' if unpaced else ''}", "yeto", unpaced=unpaced, in_default_run=False,
+                    learner={"wire_dtype": up, "downlink_dtype": down},
+                    note=f"{up} pushes, {down} broadcasts, {'unpaced' if unpaced else 'lockstep'}", **common)
+                for key, (up, down) in WIRE_PAIRS.items() for unpaced in (False, True)]
         return [*base,
                 Arm(f"{c}:yeto", "yeto", note="the shipped defaults, lockstep", **common),
-                Arm(f"{c}:yeto-unpaced", "yeto", unpaced=True, note="the shipped defaults, unpaced", **common)]
+                Arm(f"{c}:yeto-unpaced", "yeto", unpaced=True, note="the shipped defaults, unpaced", **common),
+                *wire]
 
     def max_ratio(self) -> float:
         """The goal for a yeto arm's loss ÷ dp's."""

@@ -104,7 +104,11 @@ def test_matrix_cells_cover_the_issue_and_pick_by_glob() -> None:
     assert gpt2.shape(Shape()).lr == diloco_data.FAMILY_LR["gpt2"] != long.lr == diloco_data.FAMILY_LR["llama"]
     assert gpt2.shape(Shape(), lr=1e-3).lr == 1e-3  # --lr wins over the family's
     kinds = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("gpt2", "help", "constant", 24, 2).arms()}
-    assert set(kinds) == {"dp", "alone", "yeto", "yeto-unpaced"} and kinds["yeto-unpaced"].unpaced
+    wire = {f"wire-{key}{tail}" for key in diloco_matrix.WIRE_PAIRS for tail in ("", "-unpaced")}
+    assert set(kinds) == {"dp", "alone", "yeto", "yeto-unpaced", *wire} and kinds["yeto-unpaced"].unpaced
+    assert {k for k, a in kinds.items() if a.in_default_run} == {"dp", "alone", "yeto", "yeto-unpaced"}
+    assert kinds["wire-i4i2-unpaced"].unpaced and kinds["wire-i4i2"].learner == {"wire_dtype": "int4",
+                                                                                  "downlink_dtype": "int2"}
     slow = {a.name.split(":")[1]: a for a in diloco_matrix.Cell("llama", "code", "constant", 24, 4, True).arms()}
     assert slow["drop"].learners == 3 and slow["drop"].shards == 4
     assert slow["wait"].lockstep_threads and slow["wait"].slow == slow["yeto-slow"].slow == 4
