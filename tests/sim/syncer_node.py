@@ -99,6 +99,21 @@ def _received(payload: bytes | None) -> memoryview | None:
     return None if payload is None else memoryview(bytearray(payload))
 
 
+class CommitTape(RecordingTape):
+    """The tape, telling `on_commit` of each commit record as it is written: a turn may commit more
+    than one round (a prepared merge lands right behind the last), and a checkpoint taken at the
+    first of them is one the syncer held."""
+
+    def __init__(self, on_commit: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_commit = on_commit
+
+    def append(self, record: dict[str, Any]) -> None:
+        super().append(record)
+        if record.get("event") == "commit":
+            self._on_commit()
+
+
 class SyncerNode:
     def __init__(self, sim: Scheduler, latency: Latency, rng: random.Random, settings: SyncerSettings, *,
                  key: bytes, incarnation: int, state: SyncerState | None,
@@ -107,7 +122,7 @@ class SyncerNode:
         self.settings = settings
         self.key = key
         self.incarnation = incarnation
-        self.tape = RecordingTape()
+        self.tape = CommitTape(lambda: self._on_commit(self))
         self.co = Coordinator(settings, device=torch.device("cpu"), tape=self.tape,  # type: ignore[arg-type]
                               state=state, clock=sim.clock, executor=InlineExecutor)
         s = settings
