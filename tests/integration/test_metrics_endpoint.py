@@ -52,7 +52,9 @@ def knock(address: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> None:
+@pytest.mark.parametrize("codec", ["f32", "int4"])
+def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path, codec: str) -> None:
+    """`codec`: the learners' pushes and downlink (f32: exact broadcasts)."""
     syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=2, total_rounds=ROUNDS,
                           extra=["--metrics-port", "0", "--sync-interval-steps", "2"])
     found = METRICS_LINE.search(syncer.proc.stdout())
@@ -60,7 +62,8 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
     knock(syncer.address)  # a stranger that sends a HEARTBEAT instead of HELLO: refused before it joins
     tensors = {lid: torch.zeros(8) for lid in (0, 1)}
     settings = {lid: load_settings(LearnerSettings, syncer=syncer.address, key_file=key_file, learner_id=lid,
-                                   sync_interval=2, consensus_every=0, reconnect_max_s=1) for lid in (0, 1)}
+                                   sync_interval=2, consensus_every=0, reconnect_max_s=1, wire_dtype=codec,
+                                   downlink_dtype=codec) for lid in (0, 1)}
     sessions = {lid: LearnerSession(settings[lid], [("w", tensors[lid][:4]), ("v", tensors[lid][4:])])
                 for lid in (0, 1)}
     try:
@@ -90,7 +93,7 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
         assert metrics[("yeto_syncer_learners_connected", ())] == 2
         assert metrics[("yeto_syncer_merge_seconds_count", ())] == ROUNDS
         assert metrics[("yeto_syncer_handshakes_refused_total", (("reason", "protocol"),))] == 1
-        pushed_in_total, sent_f32_total = 0.0, 0.0
+        pushed_in_total, sent_bulk_total = 0.0, 0.0
         for lid, session in sessions.items():  # every push of every committed round is in: its bytes, exactly
             session.pump(0.0)
             session.sync.push_in_flight()
@@ -104,21 +107,28 @@ def test_a_runs_metrics_are_the_tapes_counts(procs: Procs, key_file: Path) -> No
             sent = {labels: v for (name, labels), v in metrics.items()
                     if name == "yeto_syncer_learner_sent_bytes_total" and ("learner", str(lid)) in labels}
             assert sent[(("codec", "control"), ("learner", str(lid)))] > 0, sent  # the PULLs, at least
-            # at least every commit's 4 f32 values went to the learner
-            assert sent[(("codec", "f32"), ("learner", str(lid)))] >= ROUNDS * 4 * 4, sent
-            sent_f32_total += sent[(("codec", "f32"), ("learner", str(lid)))]
+            assert sent[(("codec", "f32"), ("learner", str(lid)))] >= 8 * 4, sent  # the initial cut at least
+            sent_bulk_total += sum(v for labels, v in sent.items() if ("codec", "control") not in labels)
         # The tape's bytes are the wire's: every merged push, and every commit's broadcast. The rest
-        # of what went out in f32 is the full state each join sent (8 values), and the final cut
+        # of the bulk that went out is the full state each join sent (8 values), and the final cut
         # to a learner whose DONE the last broadcast already brought (8 values, 0 or 1 each).
         assert sum(c["bytes_in"] for c in done) == pushed_in_total == metrics[
             ("yeto_syncer_commit_payload_bytes_total", (("direction", "up"),))]
         broadcast = sum(c["bytes_out"] for c in done)
         assert broadcast == metrics[("yeto_syncer_commit_payload_bytes_total", (("direction", "down"),))]
         joins = sum(1 for r in tape if r["event"] == "join")
-        assert sent_f32_total - broadcast - joins * 8 * 4 in (0, 8 * 4, 2 * 8 * 4), (sent_f32_total, broadcast)
+        assert sent_bulk_total - broadcast - joins * 8 * 4 in (0, 8 * 4, 2 * 8 * 4), (sent_bulk_total, broadcast)
         assert all(c["numel"] == 4 and c["receivers"] == 2 for c in done)
-        assert metrics[("yeto_syncer_wire_bits_per_parameter", (("direction", "up"),))] == 32.0
-        assert metrics[("yeto_syncer_wire_bits_per_parameter", (("direction", "down"),))] == 32.0
+        # 4 values a fragment: an int4 payload is a block-size header, a scale and 2 code bytes
+        # (20 bits a value); each fragment's chain began with the initial cut's FULL, and its last
+        # version goes out FULL too (32 bits), so the final cut is exact.
+        per_value = 32.0 if codec == "f32" else 8 * (4 + 4 + 2) / 4
+        assert metrics[("yeto_syncer_wire_bits_per_parameter", (("direction", "up"),))] == per_value
+        last = done[-1]
+        assert metrics[("yeto_syncer_wire_bits_per_parameter", (("direction", "down"),))] == 8 * last[
+            "bytes_out"] / 4 / 2
+        downs = [8 * c["bytes_out"] / 4 / 2 for c in done]
+        assert downs == [32.0 if codec == "f32" or c["version"] == ROUNDS // 2 else per_value for c in done]
 
         def broadcasts_timed() -> bool:
             return scrape(found.group(1))[("yeto_syncer_broadcast_seconds_count", ())] == ROUNDS

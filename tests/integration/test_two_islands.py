@@ -147,3 +147,28 @@ def test_overlapping_learners_with_a_blocking_embedding_end_identical(procs: Pro
         assert_bit_identical(model_tensors(model_dir(lp)), ckpt, f"{lp.name} vs checkpoint")
     done = commits(syncer.tape_records())
     assert len(done) == rounds and all(sorted(r["learners"]) == [0, 1] for r in done), done
+
+
+@pytest.mark.timeout(240)
+def test_int4_both_ways_learns_and_ends_identical_at_about_4_bits_a_parameter(procs: Procs, key_file: Path) -> None:
+    """HF islands on int4 pushes and int4 broadcasts: the loss falls, the final cut is the
+    checkpoint bit for bit, and the tape says each round moved about 4.25 bits a parameter each way."""
+    rounds = 16
+    syncer = start_syncer(procs, key_file=key_file, learners=2, quorum=2, fragments=FRAGMENTS, total_rounds=rounds)
+    learners = [start_learner(procs, syncer, key_file, i, max_steps=3000, wire_dtype="int4", downlink_dtype="int4")
+                for i in range(2)]
+    assert wait_all(learners, timeout=180) == [0, 0], procs.tails()
+    assert syncer_exit_code(syncer) == 0, syncer.proc.tail()
+    for lp in learners:
+        assert eval_loss(lp, "final")["loss"] < eval_loss(lp, "initial")["loss"], lp.tail()
+    assert syncer.checkpoint is not None
+    ckpt = checkpoint_params(syncer.checkpoint)
+    for lp in learners:
+        assert_bit_identical(model_tensors(model_dir(lp)), ckpt, f"{lp.name} vs checkpoint")
+    done = commits(syncer.tape_records())
+    assert len(done) == rounds
+    for c in done:
+        up, down = 8 * c["bytes_in"] / c["numel"] / 2, 8 * c["bytes_out"] / c["numel"] / c["receivers"]
+        assert 4.25 <= up < 4.3, c  # 4 bits a value, a 32-bit scale per 128, a 4-byte header
+        last = c["version"] == rounds // FRAGMENTS  # the last version goes out exact, for the final cut
+        assert (down == 32.0) if last else (4.25 <= down < 4.3), c
