@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs of each in-process measure, the median kept "
                     "(default 3)")
     ap.add_argument("--out", type=Path, default=Path("scale-out"), help="where JSON and the plot go")
-    ap.add_argument("--codec", default="f32", choices=["f32", "bf16", "int8", "int4", "e3m0", "int4-log"],
+    ap.add_argument("--codec", default="f32", choices=["f32", "bf16", "int8", "int4", "e3m0", "int4-log", "int2"],
                     help="the M learners' push codec (default f32, the shipped one); the raw baseline sends "
                     "the same bytes, and the island and the in-process merges stay f32")
     ap.add_argument("--quick", action="store_true", help="4 and 16 MiB, M = 2, one round: a smoke test")
